@@ -1,0 +1,270 @@
+"""`QwenConfig`: the Qwen3.5 text architecture as a frozen dataclass, symmetric with HF `config.json`.
+
+`from_hf` accepts both checkpoint kinds:
+- `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`): the text settings at the top level;
+- `Qwen3_5ForConditionalGeneration` (model_type `qwen3_5`): the text settings under `text_config`.
+`to_hf` writes the text settings back (the caller merges them into the outer config of a
+multimodal checkpoint, see `jaxpi.convert.hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    layer_types: tuple[str, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262_144
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
+    gdn_chunk_size: int = 64
+    remat: str = "none"
+    scan_layers: bool = True
+    # HF fields we carry through untouched (token ids, rope extras such as mrope_section).
+    hf_extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(
+                self,
+                "layer_types",
+                tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(self.num_hidden_layers)),
+            )
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        errors = []
+        if len(self.layer_types) != self.num_hidden_layers:
+            errors.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            errors.append(f"unknown layer types {unknown} (expected {LINEAR!r} or {FULL!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            errors.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            errors.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            errors.append(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and in (0, head_dim]")
+        if self.hidden_act != "silu":
+            errors.append(f"hidden_act {self.hidden_act!r} is not supported (Qwen3.5 uses 'silu')")
+        if self.attention_bias:
+            errors.append("attention_bias=True is not supported (Qwen3.5 has no attention biases)")
+        if self.remat not in REMAT_POLICIES:
+            errors.append(f"remat {self.remat!r} is not one of {REMAT_POLICIES}")
+        if self.gdn_chunk_size < 1 or self.gdn_chunk_size & (self.gdn_chunk_size - 1):
+            errors.append(f"gdn_chunk_size {self.gdn_chunk_size} must be a power of two")
+        if errors:
+            raise ValueError("invalid QwenConfig: " + "; ".join(errors))
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def replace(self, **changes: Any) -> QwenConfig:
+        """`dataclasses.replace`, re-deriving `layer_types` when only the depth changes."""
+        if "num_hidden_layers" in changes and "layer_types" not in changes:
+            changes["layer_types"] = ()
+        return dataclasses.replace(self, **changes)
+
+    # ---- HF interop ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> QwenConfig:
+        """Read a HF `config.json` (a checkpoint directory, the file itself, or its parsed dict)."""
+        if isinstance(path_or_dict, dict):
+            raw = path_or_dict
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.exists():
+                raise FileNotFoundError(f"no config.json at {path}")
+            raw = json.loads(path.read_text())
+        text = raw.get("text_config", raw)
+        if not isinstance(text, dict):
+            raise ValueError("text_config must be a JSON object")
+        model_type = text.get("model_type", raw.get("model_type"))
+        if model_type not in ("qwen3_5_text", "qwen3_5", None):
+            raise ValueError(f"model_type {model_type!r} is not a Qwen3.5 text model")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        missing = [k for k in _REQUIRED if k not in text]
+        if missing:
+            raise ValueError(f"config is missing required text fields: {missing}")
+        kwargs: dict[str, Any] = {k: text[k] for k in _REQUIRED}
+        for k in _OPTIONAL:
+            if k in text and text[k] is not None:
+                kwargs[k] = text[k]
+        if "layer_types" not in text and "full_attention_interval" in text:
+            n = int(text["full_attention_interval"])
+            kwargs["layer_types"] = tuple(
+                FULL if (i + 1) % n == 0 else LINEAR for i in range(text["num_hidden_layers"])
+            )
+        kwargs["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        kwargs["partial_rotary_factor"] = float(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        )
+        # Tied embeddings: a multimodal checkpoint keeps the flag at the top level.
+        kwargs["tie_word_embeddings"] = bool(
+            text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        )
+        kwargs["hf_extra"] = tuple(
+            sorted((k, _freeze(v)) for k, v in text.items() if k not in _KNOWN and k not in _DERIVED)
+        )
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The text config as HF writes it for `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`)."""
+        extra = {k: _thaw(v) for k, v in self.hf_extra}
+        rope = dict(extra.pop("rope_parameters", None) or {})
+        rope.update(
+            rope_type="default", rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor
+        )
+        out: dict[str, Any] = {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            **{k: getattr(self, k) for k in _REQUIRED},
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "layer_types": list(self.layer_types),
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "rope_parameters": rope,
+            **extra,
+        }
+        return out
+
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+_OPTIONAL = (
+    "linear_conv_kernel_dim",
+    "layer_types",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+)
+_KNOWN = set(_REQUIRED) | set(_OPTIONAL) | {"tie_word_embeddings", "model_type", "architectures"}
+# Fields folded into our own (rope) or re-derived, so not carried as extras.
+_DERIVED = {"rope_scaling", "rope_theta", "partial_rotary_factor", "full_attention_interval"}
+
+
+def _freeze(v: Any) -> Any:
+    """JSON value -> hashable (so the frozen dataclass stays hashable for `jax.jit` static args)."""
+    if isinstance(v, dict):
+        return ("__dict__", tuple(sorted((k, _freeze(x)) for k, x in v.items())))
+    if isinstance(v, list):
+        return ("__list__", tuple(_freeze(x) for x in v))
+    return v
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__dict__":
+        return {k: _thaw(x) for k, x in v[1]}
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__list__":
+        return [_thaw(x) for x in v[1]]
+    return v
+
+
+# Qwen3.5-27B text model. Every number is from the `text_config` of the public
+# Qwen/Qwen3.5-27B `config.json` (Qwen3_5ForConditionalGeneration; Qwen3.6-27B shares it):
+# hidden 5120, 64 layers (full attention every 4th), 24 q / 4 kv heads of 256, partial rotary 0.25,
+# rope_theta 1e7, DeltaNet 16 key / 48 value heads of 128, conv kernel 4, intermediate 17408,
+# vocab 248320, untied embeddings, rms_norm_eps 1e-6, max_position_embeddings 262144.
+QWEN3_5_27B = QwenConfig(
+    vocab_size=248_320,
+    hidden_size=5_120,
+    intermediate_size=17_408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=262_144,
+    tie_word_embeddings=False,
+    hf_extra=(
+        ("eos_token_id", 248_044),
+        ("rope_parameters", _freeze({"mrope_interleaved": True, "mrope_section": [11, 11, 10]})),
+    ),
+)
+
+# A tiny config for tests and the demo: every structural feature of the 27B (hybrid 3:1 stack,
+# GQA, Hv = 3 * Hk DeltaNet, partial rotary) at a size that runs in seconds on a CPU.
+TINY = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    gdn_chunk_size=16,
+)
+
+PRESETS: dict[str, QwenConfig] = {"qwen3_5_27b": QWEN3_5_27B, "tiny": TINY}
+
+
+def preset(name: str) -> QwenConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None

@@ -1,0 +1,143 @@
+"""The one declarative table between HF Qwen3.5 tensor names and jaxpi parameters.
+
+Each `Rule` maps one HF tensor to one or more of our parameters with a transform:
+
+- `copy`     same array;
+- `linear`   HF `[out, in]` → ours `[in, *out_shape]` (transpose, then split `out` into heads);
+- `linear_t` HF `[out, in]` → ours `[*in_shape, out]` (the output projections);
+- `split`    HF's fused rows (`in_proj_qkv`) → one `linear` part per stored projection;
+- `conv`     HF's depthwise conv `[C, 1, K]` → per-part `[K, heads, head_dim]`.
+
+Every transform has an exact inverse (used by `save_hf`), so HF → jaxpi → HF is byte-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpi.config import FULL, QwenConfig
+from jaxpi.models.qwen3_5 import layer_location
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: str  # full HF key (text-model prefix applied by the caller)
+    kind: str  # copy | linear | linear_t | split | conv
+    ours: tuple[Path_, ...]  # our parameter paths (model-relative), one per part
+    part_shapes: tuple[tuple[int, ...], ...]  # our per-layer shape of each part (no stacking axis)
+    layer: int = -1  # HF layer index, or -1 for model-level tensors
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.kind == "copy":
+            return self.part_shapes[0]
+        if self.kind == "linear":
+            (s,) = self.part_shapes
+            return (int(np.prod(s[1:])), s[0])
+        if self.kind == "linear_t":
+            (s,) = self.part_shapes
+            return (s[-1], int(np.prod(s[:-1])))
+        if self.kind == "split":
+            return (sum(int(np.prod(s[1:])) for s in self.part_shapes), self.part_shapes[0][0])
+        if self.kind == "conv":
+            return (sum(int(np.prod(s[1:])) for s in self.part_shapes), 1, self.part_shapes[0][0])
+        raise AssertionError(self.kind)
+
+    def to_ours(self, a: np.ndarray) -> list[np.ndarray]:
+        """HF array (already shape-checked) → our per-part arrays."""
+        if self.kind == "copy":
+            return [a]
+        if self.kind == "linear":
+            return [a.T.reshape(self.part_shapes[0])]
+        if self.kind == "linear_t":
+            return [a.T.reshape(self.part_shapes[0])]
+        rows = a if self.kind == "split" else a[:, 0, :]  # [C, D] or [C, K]
+        out, start = [], 0
+        for s in self.part_shapes:
+            n = int(np.prod(s[1:]))
+            out.append(rows[start : start + n].T.reshape(s))
+            start += n
+        return out
+
+    def to_hf(self, parts: list[np.ndarray]) -> np.ndarray:
+        """Our per-part arrays → the HF array (exact inverse of `to_ours`)."""
+        if self.kind == "copy":
+            return parts[0]
+        if self.kind == "linear":
+            s = parts[0].shape
+            return parts[0].reshape(s[0], -1).T
+        if self.kind == "linear_t":
+            return parts[0].reshape(-1, parts[0].shape[-1]).T
+        rows = np.concatenate([p.reshape(p.shape[0], -1).T for p in parts], axis=0)
+        return rows if self.kind == "split" else rows[:, None, :]
+
+
+def text_rules(cfg: QwenConfig, prefix: str) -> list[Rule]:
+    """All rules of the text model; `prefix` is "model." (CausalLM) or "model.language_model."."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    rules = [
+        Rule(f"{prefix}embed_tokens.weight", "copy", (("embed",),), ((v, d),)),
+        Rule(f"{prefix}norm.weight", "copy", (("norm",),), ((d,),)),
+    ]
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("lm_head.weight", "linear", (("lm_head",),), ((d, v),)))
+    for i, layer_type in enumerate(cfg.layer_types):
+        rules += _layer_rules(cfg, i, layer_type, f"{prefix}layers.{i}.")
+    return rules
+
+
+def _layer_rules(cfg: QwenConfig, i: int, layer_type: str, hf: str) -> list[Rule]:
+    where, pos, _ = layer_location(cfg, i)
+    base: Path_ = ("groups", "blocks", pos) if where == "groups" else ("tail", pos)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+
+    def r(name: str, kind: str, ours: list[str], shapes: list[tuple[int, ...]]) -> Rule:
+        paths = tuple((*base, *o.split(".")) for o in ours)
+        return Rule(hf + name, kind, paths, tuple(shapes), layer=i)
+
+    rules = [
+        r("input_layernorm.weight", "copy", ["input_norm"], [(d,)]),
+        r("post_attention_layernorm.weight", "copy", ["post_norm"], [(d,)]),
+        r("mlp.gate_proj.weight", "linear", ["mlp.gate_proj"], [(d, f)]),
+        r("mlp.up_proj.weight", "linear", ["mlp.up_proj"], [(d, f)]),
+        r("mlp.down_proj.weight", "linear", ["mlp.down_proj"], [(f, d)]),
+    ]
+    if layer_type == FULL:
+        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = "self_attn."
+        return rules + [
+            r(a + "q_proj.weight", "linear", ["mixer.q_proj"], [(d, hq, 2 * hd)]),
+            r(a + "k_proj.weight", "linear", ["mixer.k_proj"], [(d, hkv, hd)]),
+            r(a + "v_proj.weight", "linear", ["mixer.v_proj"], [(d, hkv, hd)]),
+            r(a + "o_proj.weight", "linear_t", ["mixer.o_proj"], [(hq, hd, d)]),
+            r(a + "q_norm.weight", "copy", ["mixer.q_norm"], [(hd,)]),
+            r(a + "k_norm.weight", "copy", ["mixer.k_norm"], [(hd,)]),
+        ]
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    a = "linear_attn."
+    return rules + [
+        r(a + "in_proj_qkv.weight", "split", ["mixer.q_proj", "mixer.k_proj", "mixer.v_proj"],
+          [(d, nk, dk), (d, nk, dk), (d, nv, dv)]),
+        r(a + "in_proj_z.weight", "linear", ["mixer.z_proj"], [(d, nv, dv)]),
+        r(a + "in_proj_b.weight", "linear", ["mixer.b_proj"], [(d, nv)]),
+        r(a + "in_proj_a.weight", "linear", ["mixer.a_proj"], [(d, nv)]),
+        r(a + "conv1d.weight", "conv", ["mixer.conv_q", "mixer.conv_k", "mixer.conv_v"],
+          [(kw, nk, dk), (kw, nk, dk), (kw, nv, dv)]),
+        r(a + "dt_bias", "copy", ["mixer.dt_bias"], [(nv,)]),
+        r(a + "A_log", "copy", ["mixer.A_log"], [(nv,)]),
+        r(a + "norm.weight", "copy", ["mixer.norm"], [(dv,)]),
+        r(a + "out_proj.weight", "linear_t", ["mixer.out_proj"], [(nv, dv, d)]),
+    ]
+
+
+def stack_index(cfg: QwenConfig, rule: Rule) -> int | None:
+    """The group index of a scanned layer's rule (its slice of the stacked arrays), else None."""
+    if rule.layer < 0:
+        return None
+    where, _, g = layer_location(cfg, rule.layer)
+    return g if where == "groups" else None

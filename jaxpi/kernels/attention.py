@@ -1,0 +1,68 @@
+"""The attention core (grouped-query, causal, segment-masked) and partial rotary embeddings.
+
+    s_{b,h,t,u} = (q_{b,t,h} · k_{b,u,h/G}) / sqrt(d)      G = query heads per kv head
+    s           = -inf where u > t (by position), or segments differ, or the key slot is empty
+    o_{b,t,h}   = Σ_u softmax_u(s)_{b,h,t,u} · v_{b,u,h/G}
+
+Scores and softmax are float32 whatever the inputs' dtype (as `transformers` does).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row then gives a uniform, not NaN, softmax
+
+
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, rotary_dim]` for integer positions `[B, T]` (HF's rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, rotary_dim]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first `rotary_dim` features of each head; x `[B, T, H, D]`, cos/sin `[B, T, R]`."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return jnp.concatenate([x_rot * c + rotated * s, x_pass], axis=-1)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
+    kv_valid: jax.Array | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention.
+
+    q `[B, T, Hq, D]`; k, v `[B, S, Hkv, D]`; positions `[B, T]` / `[B, S]` decide causality
+    (a key is visible when its position ≤ the query's); optional segment ids forbid attention
+    across packed sequences; `kv_valid` `[B, S]` marks filled cache slots. Returns `[B, T, Hq, D]`.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]: query heads grouped by their kv head
+    with jax.named_scope("scores"):
+        s = jnp.einsum("btkgd,bukd->bkgtu", qg, k, preferred_element_type=jnp.float32)
+        s = s * (d**-0.5)
+    with jax.named_scope("mask"):
+        mask = kv_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
+        if q_segments is not None and kv_segments is not None:
+            mask &= q_segments[:, :, None] == kv_segments[:, None, :]
+        if kv_valid is not None:
+            mask &= kv_valid[:, None, :]
+        s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgtu,bukd->btkgd", p, v)
+    return o.reshape(b, t, hq, d)

@@ -1,0 +1,51 @@
+"""Depthwise causal conv over time (the Gated DeltaNet's short conv), for prefill and decode alike.
+
+With window w = concat(state, x) along time (state = the K−1 inputs before x) and weight [K, C]:
+
+    y_{t,c} = Σ_{k<K} weight_{k,c} · w_{t+k,c}      (tap K−1 is the current token x_t)
+    out     = silu(y) if activation else y
+
+Packed sequences: a tap whose input lies in another segment than token t reads 0 instead; the
+incoming state belongs to the first segment. The new state is the last K−1 entries of w, with
+entries from segments before the last one zeroed, so decoding continues the last segment alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _segment_runs(segment_ids: jax.Array, num_state: int) -> jax.Array:
+    """[B, K−1+T]: a run number per window position, equal exactly within a segment (state = run 0)."""
+    starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))  # [B, T]
+    return jnp.pad(jnp.cumsum(starts, axis=1), ((0, 0), (num_state, 0)))
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    state: jax.Array | None = None,
+    activation: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C], weight [K, C] (transformers' conv1d.weight[:, 0, :] transposed), segment_ids [B, T],
+    state [B, K−1, C] (zeros if None). Returns (output [B, T, C] in x's dtype, new state [B, K−1, C]).
+    """
+    batch, length, channels = x.shape
+    num_taps = weight.shape[0]
+    if state is None:
+        state = jnp.zeros((batch, num_taps - 1, channels), x.dtype)
+    window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K−1+T, C]
+    taps = jnp.stack([window[:, i : i + length] for i in range(num_taps)], axis=2)  # [B, T, K, C]
+    new_state = window[:, length:]
+    if segment_ids is not None:
+        runs = _segment_runs(segment_ids, num_taps - 1)
+        tap_runs = jnp.stack([runs[:, i : i + length] for i in range(num_taps)], axis=2)  # [B, T, K]
+        taps = jnp.where((tap_runs == runs[:, -length:, None])[..., None], taps, 0)
+        new_state = jnp.where((runs[:, length:] == runs[:, -1:])[..., None], new_state, 0)
+    y = jnp.einsum("btkc,kc->btc", taps.astype(jnp.float32), weight.astype(jnp.float32))
+    if activation:
+        y = jax.nn.silu(y)
+    return y.astype(x.dtype), new_state

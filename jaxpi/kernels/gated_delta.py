@@ -1,0 +1,290 @@
+"""The gated delta rule (Gated DeltaNet), chunked for training and token-by-token for decoding.
+
+Per value head, with state S ∈ R^{Dk×Dv}, decay g_t ≤ 0 and learning rate β_t ∈ (0, 1):
+
+    q_t ← q_t / ‖q_t‖ · Dk^-½,   k_t ← k_t / ‖k_t‖            (the L2 norms are optional)
+    u_t = β_t (v_t − e^{g_t} S_{t-1}ᵀ k_t)                      (the delta: what the state mispredicts)
+    S_t = e^{g_t} S_{t-1} + k_t u_tᵀ
+    o_t = S_tᵀ q_t
+
+Packed sequences: where segment_ids changes (t > 0), S_{t-1} is replaced by 0, so every segment
+sees only itself; the initial state belongs to the first segment.
+
+Chunked form (the chunks of C tokens are independent given the state S entering them). Inside a
+chunk, with positions i, j ∈ [0, C):
+
+    γ_i    = Σ_{t≤i} g_t                                         (cumulative log decay)
+    ρ_i    = [no reset in [0, i]]                                (the carried-in S reaches i)
+    σ_ij   = [j ≤ i and i, j in the same segment]
+    ε_j    = [j in the segment of the chunk's last token]       (j feeds the chunk-end state)
+    A_ij   = [j < i] σ_ij β_i (k_i·k_j) e^{γ_i−γ_j}             (strictly lower triangular)
+    T      = (I + A)⁻¹
+    U      = T (β ⊙ V)                                          (the deltas if S were 0)
+    W      = T (β ρ e^{γ} ⊙ K)                                  (how S feeds into the deltas)
+    P_ij   = σ_ij (q_i·k_j) e^{γ_i−γ_j}
+
+and then, sequentially over chunks (a `lax.scan`):
+
+    Δ  = U − W S                                                (the true deltas u_i)
+    O  = (ρ e^{γ} ⊙ Q) S + P Δ
+    S' = ρ_{C-1} e^{γ_{C-1}} S + Σ_j ε_j e^{γ_{C-1}−γ_j} k_j Δ_jᵀ
+
+The equations for U and W come from writing the recurrence for all u_i of a chunk at once:
+(I + A) Δ = β ⊙ V − (β ρ e^{γ} ⊙ K) S. T is inverted with matmuls only (no LAPACK triangular
+solve, which hangs inside larger jitted programs on CPU): recursive block doubling, see
+`_unit_lower_inverse`. Every exponent above is ≤ 0, and padding tokens (g = 0, β = 0) leave the
+state untouched, so the final state is the state after the last real token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_L2_EPS = 1e-6
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def _prepare_qk(
+    q: jax.Array, k: jax.Array, num_v_heads: int, use_qk_l2norm: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Float32, optionally L2-normalised, q scaled by Dk^-½, key heads repeated to the value heads.
+
+    The head axis is -2 in both the sequence ([B, T, H, D]) and single-token ([B, H, D]) layouts.
+    """
+    num_k_heads = k.shape[-2]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    group = num_v_heads // num_k_heads
+    # value head h reads key head h // group, as transformers' repeat_interleave
+    return jnp.repeat(q, group, axis=-2), jnp.repeat(k, group, axis=-2)
+
+
+def _initial_state(initial_state: jax.Array | None, v: jax.Array, dk: int) -> jax.Array:
+    if initial_state is None:
+        return jnp.zeros((v.shape[0], v.shape[-2], dk, v.shape[-1]), jnp.float32)
+    return initial_state.astype(jnp.float32)
+
+
+def _segment_resets(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """[B, T] bool: True where the state restarts from zero (a segment starts at t > 0)."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), bool)
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.pad(changed, ((0, 0), (1, 0)))
+
+
+# ---- token by token ----------------------------------------------------------------------------
+
+
+def _delta_step(
+    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token on prepared float32 inputs: state [B,H,K,V], q/k [B,H,K], v [B,H,V], g/beta [B,H]."""
+    state = state * jnp.exp(g)[..., None, None]
+    delta = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", state, k))
+    state = state + jnp.einsum("bhk,bhv->bhkv", k, delta)
+    return jnp.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def gated_delta_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """One decode token: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv].
+
+    Returns (output [B, Hv, Dv] in v's dtype, new state float32).
+    """
+    q, k = _prepare_qk(q, k, v.shape[-2], use_qk_l2norm)
+    out, state = _delta_step(
+        state.astype(jnp.float32),
+        q,
+        k,
+        v.astype(jnp.float32),
+        g.astype(jnp.float32),
+        beta.astype(jnp.float32),
+    )
+    return out.astype(v.dtype), state
+
+
+def recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The recurrence one token at a time (a `lax.scan` over T); same contract as the chunked form."""
+    batch, length, num_v_heads, _ = v.shape
+    with jax.named_scope("l2norm_and_scale"):
+        qp, kp = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
+    resets = _segment_resets(segment_ids, batch, length)
+
+    def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        reset, *token = xs
+        state = jnp.where(reset[:, None, None, None], 0.0, state)
+        out, state = _delta_step(state, *token)
+        return state, out
+
+    # scan wants time leading: [B, T, ...] -> [T, B, ...]
+    xs = [jnp.moveaxis(x, 1, 0) for x in (resets, qp, kp, v, g, beta)]
+    xs[3:] = [x.astype(jnp.float32) for x in xs[3:]]
+    with jax.named_scope("token_scan"):
+        state, out = jax.lax.scan(step, _initial_state(initial_state, v, kp.shape[-1]), xs)
+    return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
+
+
+# ---- chunked -----------------------------------------------------------------------------------
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + A)⁻¹ for A [..., C, C] strictly lower triangular, with matmuls only.
+
+    Recursive block doubling: with T_b the inverse restricted to its diagonal b×b blocks, each pair
+    of neighbouring blocks merges as
+
+        [[I + A11, 0], [A21, I + A22]]⁻¹ = [[T11, 0], [−T22 A21 T11, T22]]
+
+    which is blocked forward substitution, so the rounding error stays at the level of a
+    triangular solve. (The Neumann product (I − A)(I + A²)(I + A⁴)… needs no blocks but its
+    partial products grow like binomials when keys are correlated: 20% error at C = 64 in float32.)
+    C that is not a power of two is padded with an identity block.
+    """
+    size = a.shape[-1]
+    padded = 1 << (size - 1).bit_length()
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, padded - size)] * 2)
+    batch = a.shape[:-2]
+    inv = jnp.ones((*batch, padded, 1, 1), a.dtype)  # [..., n, b, b]: the 1×1 diagonal blocks
+    b = 1
+    while b < padded:
+        pairs = padded // (2 * b)
+        # [..., C, C] -> [..., pair p, half, i, pair q, half, j]; keep lower-left halves, p == q
+        blocks = a.reshape(*batch, pairs, 2, b, pairs, 2, b)[..., :, 1, :, :, 0, :]
+        a21 = jnp.einsum("...piqj,pq->...pij", blocks, jnp.eye(pairs, dtype=a.dtype))
+        inv = inv.reshape(*batch, pairs, 2, b, b)
+        t11, t22 = inv[..., 0, :, :], inv[..., 1, :, :]
+        t21 = -jnp.einsum("...pij,...pjk,...pkl->...pil", t22, a21, t11)
+        upper = jnp.concatenate([t11, jnp.zeros_like(t11)], axis=-1)
+        lower = jnp.concatenate([t21, t22], axis=-1)
+        inv = jnp.concatenate([upper, lower], axis=-2)  # [..., pairs, 2b, 2b]
+        b *= 2
+    return inv[..., 0, :size, :size]
+
+
+def _to_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
+    """[B, N·C, H, ...] -> [N, B, H, C, ...]: chunks lead for the scan, positions sit next to features."""
+    batch, length = x.shape[:2]
+    x = x.reshape(batch, length // chunk_size, chunk_size, *x.shape[2:])  # [B, N, C, H, ...]
+    return jnp.moveaxis(x, (1, 2), (0, 3))
+
+
+def _chunk_masks(resets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """From resets [N, B, C]: σ [N, B, 1, C, C], ρ [N, B, 1, C], ε [N, B, 1, C] (broadcast over heads)."""
+    size = resets.shape[-1]
+    # run r_i = number of resets in [0, i]: positions share a segment exactly when their runs match
+    run = jnp.cumsum(resets, axis=-1)[:, :, None]
+    causal = jnp.asarray(np.tril(np.ones((size, size), bool)))
+    same = causal & (run[..., :, None] == run[..., None, :])
+    return same, run == 0, run == run[..., -1:]
+
+
+def _intra_chunk(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, resets: jax.Array
+) -> tuple[jax.Array, ...]:
+    """Everything that does not depend on the carried state, for all chunks at once.
+
+    Inputs in chunk layout: q, k [N,B,H,C,K], v [N,B,H,C,V], g, beta [N,B,H,C], resets [N,B,C].
+    Returns U, W, ρe^γ⊙Q, P, ε e^{γ_{C-1}−γ}⊙K, ρ_{C-1} e^{γ_{C-1}} (see the module docstring).
+    """
+    with jax.named_scope("chunk_masks"):
+        same, reach, to_end = _chunk_masks(resets)
+        strict = same & ~jnp.eye(same.shape[-1], dtype=bool)
+    with jax.named_scope("decays"):
+        gamma = jnp.cumsum(g, axis=-1)
+        # −inf before the exp: above the diagonal γ_i − γ_j > 0 could overflow
+        pair_decay = jnp.exp(jnp.where(same, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+        read_decay = jnp.where(reach, jnp.exp(gamma), 0.0)
+        write_decay = jnp.where(to_end, jnp.exp(gamma[..., -1:] - gamma), 0.0)
+    with jax.named_scope("ut_transform"):
+        kk = jnp.einsum("nbhik,nbhjk->nbhij", k, k)
+        a = jnp.where(strict, beta[..., :, None] * kk * pair_decay, 0.0)
+        t = _unit_lower_inverse(a)
+        u = jnp.einsum("nbhij,nbhjv->nbhiv", t, beta[..., None] * v)
+        w = jnp.einsum("nbhij,nbhjk->nbhik", t, (beta * read_decay)[..., None] * k)
+    with jax.named_scope("intra_attention"):
+        p = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * pair_decay
+    q_read = read_decay[..., None] * q
+    k_write = write_decay[..., None] * k
+    return u, w, q_read, p, k_write, read_decay[..., -1]
+
+
+def _chunk_scan(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The sequential part: carry S [B,H,K,V] through the chunks; returns (state, outputs [N,B,H,C,V])."""
+
+    def step(state: jax.Array, chunk: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        u, w, q_read, p, k_write, end_decay = chunk
+        delta = u - jnp.einsum("bhik,bhkv->bhiv", w, state)
+        out = jnp.einsum("bhik,bhkv->bhiv", q_read, state) + jnp.einsum("bhij,bhjv->bhiv", p, delta)
+        state = end_decay[..., None, None] * state + jnp.einsum("bhik,bhiv->bhkv", k_write, delta)
+        return state, out
+
+    return jax.lax.scan(step, state, chunks)
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    chunk_size: int = 64,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over a sequence, chunk by chunk (see the module docstring).
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None
+    (zeros); segment_ids [B, T] ints or None. Any T: padded inside to a multiple of chunk_size.
+    Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
+    """
+    batch, length, num_v_heads, _ = v.shape
+    with jax.named_scope("l2norm_and_scale"):
+        qp, kp = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
+    state = _initial_state(initial_state, v, kp.shape[-1])
+    resets = _segment_resets(segment_ids, batch, length)
+
+    # padding: zero q/k/v, g = 0 (no decay), β = 0 (no write), no reset (continues the last segment)
+    pad = -length % chunk_size
+    qp, kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (qp, kp, v.astype(jnp.float32)))
+    gp, betap = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    resets = jnp.pad(resets, ((0, 0), (0, pad)))
+
+    chunks = _intra_chunk(
+        *(_to_chunks(x, chunk_size) for x in (qp, kp, vp, gp, betap)),
+        jnp.moveaxis(resets.reshape(batch, -1, chunk_size), 1, 0),  # [B, N·C] -> [N, B, C]
+    )
+    with jax.named_scope("chunk_scan"):
+        state, out = _chunk_scan(chunks, state)
+    # [N, B, H, C, V] -> [B, N, C, H, V] -> [B, N·C, H, V]
+    out = jnp.moveaxis(out, (0, 3), (1, 2)).reshape(batch, -1, num_v_heads, out.shape[-1])
+    return out[:, :length].astype(v.dtype), state

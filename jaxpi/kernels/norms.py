@@ -1,0 +1,157 @@
+"""Fused RMSNorm kernels with hand-written backward passes (`jax.custom_vjp`).
+
+Two norms live in Qwen3.5:
+
+- zero-centred RMSNorm (every block norm, final norm, per-head q/k norms):
+
+      r  = rsqrt(mean_d(x_d²) + eps)          x̂ = x · r          y = x̂ · (1 + w)
+
+- gated RMSNorm (the Gated DeltaNet output norm; plain weight, initialised to 1):
+
+      y = w · x̂ · silu(z)
+
+Both are computed in float32 whatever the input dtype and cast back, as `transformers` does.
+The backward passes, with s the effective scale (1 + w, or w · silu(z)) and ĝ = dy · s:
+
+      dw  = Σ_rows dy · x̂             (gated: Σ_rows dy · x̂ · silu(z))
+      dx  = r · (ĝ − x̂ · mean_d(ĝ · x̂))
+      dz  = dy · w · x̂ · silu'(z)     (gated only)
+
+The forward saves only x (and z) and recomputes r, as a fused kernel does.
+
+`inject_bug(name)` swaps in a known-bad backward (the forward is untouched) so that the parity
+harness can prove it catches the class of bug where a fused norm keeps the loss and changes the
+gradients (see `KNOWN_BUGS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+KNOWN_BUGS: dict[str, str] = {
+    "rmsnorm-dx-no-offset": "RMSNorm dX uses w instead of (1 + w)",
+    "rmsnorm-dx-double-weight": "RMSNorm dX applies the weight twice in its variance term",
+    "gated-norm-pre-gate": "gated RMSNorm dX and dW are taken from the recomputed pre-gate output (no silu(z))",
+}
+_active_bug: str | None = None
+
+
+@contextlib.contextmanager
+def inject_bug(name: str | None) -> Iterator[None]:
+    """Trace the norms with a known-bad backward inside this context (`None` = correct kernels).
+
+    The choice is read at trace time: functions jitted outside the context keep their kernels.
+    """
+    global _active_bug
+    if name is not None and name not in KNOWN_BUGS:
+        raise ValueError(f"unknown bug {name!r}; known: {sorted(KNOWN_BUGS)}")
+    previous, _active_bug = _active_bug, name
+    try:
+        yield
+    finally:
+        _active_bug = previous
+
+
+def _rsqrt_ms(x32: jax.Array, eps: float) -> jax.Array:
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _sum_rows(a: jax.Array) -> jax.Array:
+    return jnp.sum(a.reshape(-1, a.shape[-1]), axis=0)
+
+
+# ---- zero-centred RMSNorm ----------------------------------------------------------------------
+
+
+def _rms_fwd_math(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * _rsqrt_ms(x32, eps) * (1.0 + w.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def _make_rms_norm(bug: str | None):
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+        return _rms_fwd_math(x, w, eps)
+
+    def fwd(x, w, eps):
+        return _rms_fwd_math(x, w, eps), (x, w)
+
+    def bwd(eps, res, dy):
+        x, w = res
+        x32, dy32, w32 = x.astype(jnp.float32), dy.astype(jnp.float32), w.astype(jnp.float32)
+        r = _rsqrt_ms(x32, eps)
+        xh = x32 * r
+        scale = w32 if bug == "rmsnorm-dx-no-offset" else 1.0 + w32
+        g = dy32 * scale
+        if bug == "rmsnorm-dx-double-weight":
+            dx = r * (g - xh * jnp.mean(g * (1.0 + w32) * xh, axis=-1, keepdims=True))
+        else:
+            dx = r * (g - xh * jnp.mean(g * xh, axis=-1, keepdims=True))
+        dw = _sum_rows(dy32 * xh)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    rms.defvjp(fwd, bwd)
+    return rms
+
+
+def _make_gated_norm(bug: str | None):
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def gated(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+        return _gated_fwd_math(x, z, w, eps)
+
+    def fwd(x, z, w, eps):
+        return _gated_fwd_math(x, z, w, eps), (x, z, w)
+
+    def bwd(eps, res, dy):
+        x, z, w = res
+        x32, z32, w32 = x.astype(jnp.float32), z.astype(jnp.float32), w.astype(jnp.float32)
+        dy32 = dy.astype(jnp.float32)
+        r = _rsqrt_ms(x32, eps)
+        xh = x32 * r
+        sig = jax.nn.sigmoid(z32)
+        silu = z32 * sig
+        dsilu = sig * (1.0 + z32 * (1.0 - sig))
+        dz = dy32 * w32 * xh * dsilu
+        gate = 1.0 if bug == "gated-norm-pre-gate" else silu
+        g = dy32 * w32 * gate
+        dx = r * (g - xh * jnp.mean(g * xh, axis=-1, keepdims=True))
+        dw = _sum_rows(dy32 * xh * gate)
+        return dx.astype(x.dtype), dz.astype(z.dtype), dw.astype(w.dtype)
+
+    gated.defvjp(fwd, bwd)
+    return gated
+
+
+def _gated_fwd_math(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = w.astype(jnp.float32) * (x32 * _rsqrt_ms(x32, eps)) * jax.nn.silu(z.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+_RMS = {b: _make_rms_norm(b) for b in (None, "rmsnorm-dx-no-offset", "rmsnorm-dx-double-weight")}
+_GATED = {b: _make_gated_norm(b) for b in (None, "gated-norm-pre-gate")}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Zero-centred RMSNorm over the last axis: `x̂ · (1 + w)`; x `[..., D]`, weight `[D]`."""
+    return _RMS.get(_active_bug, _RMS[None])(x, weight, eps)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Gated RMSNorm over the last axis: `w · x̂ · silu(gate)`; x, gate `[..., D]`, weight `[D]`."""
+    return _GATED.get(_active_bug, _GATED[None])(x, gate, weight, eps)
+
+
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """The same function left to autodiff (the kernels' test oracle)."""
+    return _rms_fwd_math(x, weight, eps)
+
+
+def gated_rms_norm_reference(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return _gated_fwd_math(x, gate, weight, eps)

@@ -1,0 +1,216 @@
+"""Qwen3.5 blocks in Flax NNX: gated attention, Gated DeltaNet, SwiGLU MLP, decoder layer.
+
+Each parameter is declared once (shape, logical axes, initializer); the math lives in the kernels.
+Projections are stored input-major (`[D, heads, head_dim]`), so the HF `[out, in]` matrices are
+transposed and reshaped by `jaxpi.convert`, never here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpi.config import FULL, QwenConfig
+from jaxpi.kernels.attention import apply_partial_rope, attention
+from jaxpi.kernels.conv import causal_conv1d
+from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
+from jaxpi.kernels.norms import gated_rms_norm, rms_norm
+from jaxpi.models.params import constant, log_uniform, normal, param
+
+Cache = dict[str, jax.Array]
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(x·Wg) ⊙ (x·Wu))`."""
+
+    def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), normal(), dtype)
+        self.up_proj = param(rngs, (d, f), ("embed", "mlp"), normal(), dtype)
+        self.down_proj = param(rngs, (f, d), ("mlp", "embed"), normal(), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...])
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with a per-head output gate, q/k RMSNorm and partial RoPE.
+
+        [q | gate] = x·Wq            q, gate: [B, T, Hq, d]   (HF interleaves them per head)
+        q, k       = rope(norm(q)), rope(norm(x·Wk))          (rope on the first rotary_dim dims)
+        o          = attn(q, k, x·Wv) ⊙ sigmoid(gate)
+        y          = o·Wo
+    """
+
+    def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = param(rngs, (d, hq, 2 * hd), ("embed", "q_heads", "head_dim"), normal(), dtype)
+        self.k_proj = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"), normal(), dtype)
+        self.v_proj = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"), normal(), dtype)
+        self.o_proj = param(rngs, (hq, hd, d), ("q_heads", "head_dim", "embed"), normal(), dtype)
+        self.q_norm = param(rngs, (hd,), ("head_dim",), constant(0.0), dtype)
+        self.k_norm = param(rngs, (hd,), ("head_dim",), constant(0.0), dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        rope: tuple[jax.Array, jax.Array],
+        positions: jax.Array,
+        segment_ids: jax.Array | None,
+        cache: Cache | None,
+        lengths: jax.Array | None,
+    ) -> tuple[jax.Array, Cache | None]:
+        cfg, hd = self.cfg, self.cfg.head_dim
+        with jax.named_scope("qkv"):
+            qg = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...])  # [B, T, Hq, 2d]
+            q, gate = qg[..., :hd], qg[..., hd:]
+            k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...])
+            v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...])
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+            q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
+        if cache is None:
+            o = attention(
+                q, k, v, q_positions=positions, kv_positions=positions, q_segments=segment_ids, kv_segments=segment_ids
+            )
+            new_cache = None
+        else:
+            with jax.named_scope("cache_update"):
+                # Row b writes its T new entries at slots lengths[b] .. lengths[b] + T - 1.
+                write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
+                ck = write(cache["k"], k.astype(cache["k"].dtype), lengths)
+                cv = write(cache["v"], v.astype(cache["v"].dtype), lengths)
+            t, s = x.shape[1], ck.shape[1]
+            slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x.shape[0], s))
+            q_slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+            o = attention(
+                q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=q_slots, kv_positions=slots,
+                kv_valid=slots < (lengths[:, None] + t),
+            )
+            new_cache = {"k": ck, "v": cv}
+        o = o * jax.nn.sigmoid(gate)
+        return jnp.einsum("bthk,hkd->btd", o, self.o_proj[...]), new_cache
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet token mixer (linear attention with a delta-rule state).
+
+        q, k, v   = silu(causal_conv1d(x·[Wq | Wk | Wv]))       q, k: [B,T,Hk,dk]; v: [B,T,Hv,dv]
+        beta      = sigmoid(x·Wb)                                [B, T, Hv]
+        g         = -exp(A_log) · softplus(x·Wa + dt_bias)       log-decay, ≤ 0
+        o, S      = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)
+        y         = (w · rmsnorm(o) · silu(x·Wz))·Wout
+
+    The conv weights and q/k/v projections are stored per part (not as HF's fused `in_proj_qkv`)
+    so that tensor parallelism can split each along its own heads.
+    """
+
+    def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, nk, nv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.cfg = cfg
+        self.q_proj = param(rngs, (d, nk, dk), ("embed", "gdn_k_heads", "head_dim"), normal(), dtype)
+        self.k_proj = param(rngs, (d, nk, dk), ("embed", "gdn_k_heads", "head_dim"), normal(), dtype)
+        self.v_proj = param(rngs, (d, nv, dv), ("embed", "gdn_v_heads", "head_dim"), normal(), dtype)
+        self.z_proj = param(rngs, (d, nv, dv), ("embed", "gdn_v_heads", "head_dim"), normal(), dtype)
+        self.b_proj = param(rngs, (d, nv), ("embed", "gdn_v_heads"), normal(), dtype)
+        self.a_proj = param(rngs, (d, nv), ("embed", "gdn_v_heads"), normal(), dtype)
+        self.conv_q = param(rngs, (kw, nk, dk), ("conv", "gdn_k_heads", "head_dim"), normal(0.2), dtype)
+        self.conv_k = param(rngs, (kw, nk, dk), ("conv", "gdn_k_heads", "head_dim"), normal(0.2), dtype)
+        self.conv_v = param(rngs, (kw, nv, dv), ("conv", "gdn_v_heads", "head_dim"), normal(0.2), dtype)
+        self.dt_bias = param(rngs, (nv,), ("gdn_v_heads",), constant(1.0), dtype)
+        self.A_log = param(rngs, (nv,), ("gdn_v_heads",), log_uniform(0.01, 16.0), dtype)
+        self.norm = param(rngs, (dv,), ("head_dim",), constant(1.0), dtype)
+        self.out_proj = param(rngs, (nv, dv, d), ("gdn_v_heads", "head_dim", "embed"), normal(), dtype)
+
+    def __call__(
+        self, x: jax.Array, *, segment_ids: jax.Array | None, cache: Cache | None, **_: Any
+    ) -> tuple[jax.Array, Cache | None]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        kd, vd = nk * dk, nv * dv
+        with jax.named_scope("conv"):
+            qkv = jnp.concatenate(
+                [
+                    jnp.einsum("btd,dhk->bthk", x, self.q_proj[...]).reshape(b, t, kd),
+                    jnp.einsum("btd,dhk->bthk", x, self.k_proj[...]).reshape(b, t, kd),
+                    jnp.einsum("btd,dhk->bthk", x, self.v_proj[...]).reshape(b, t, vd),
+                ],
+                axis=-1,
+            )  # [B, T, 2*Kd + Vd], HF's channel order
+            w = jnp.concatenate(
+                [self.conv_q[...].reshape(kw, kd), self.conv_k[...].reshape(kw, kd), self.conv_v[...].reshape(kw, vd)],
+                axis=-1,
+            )  # [K, 2*Kd + Vd]
+            conv_state = None if cache is None else cache["conv"]
+            qkv, new_conv = causal_conv1d(qkv, w, segment_ids=segment_ids, state=conv_state)
+            q = qkv[..., :kd].reshape(b, t, nk, dk)
+            k = qkv[..., kd : 2 * kd].reshape(b, t, nk, dk)
+            v = qkv[..., 2 * kd :].reshape(b, t, nv, dv)
+        with jax.named_scope("gates"):
+            beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.b_proj[...]).astype(jnp.float32))
+            a = jnp.einsum("btd,dh->bth", x, self.a_proj[...]).astype(jnp.float32)
+            g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+                a + self.dt_bias[...].astype(jnp.float32)
+            )
+        state = None if cache is None else cache["state"]
+        with jax.named_scope("delta_rule"):
+            if cache is not None and t == 1:
+                o, new_state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o = o[:, None]
+            else:
+                o, new_state = chunk_gated_delta_rule(
+                    q, k, v, g, beta, chunk_size=cfg.gdn_chunk_size, initial_state=state, segment_ids=segment_ids
+                )
+        with jax.named_scope("out"):
+            z = jnp.einsum("btd,dhk->bthk", x, self.z_proj[...])
+            o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)
+            y = jnp.einsum("bthk,hkd->btd", o, self.out_proj[...])
+        new_cache = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
+        return y, new_cache
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: `h += mixer(norm(h)); h += mlp(norm(h))`."""
+
+    def __init__(self, cfg: QwenConfig, layer_type: str, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.layer_type = layer_type
+        self.input_norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        mixer = GatedAttention if layer_type == FULL else GatedDeltaNet
+        self.mixer = mixer(cfg, dtype=dtype, rngs=rngs)
+        self.post_norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h: jax.Array, **kw: Any) -> tuple[jax.Array, Cache | None]:
+        eps = self.cfg.rms_norm_eps
+        with jax.named_scope("mixer"):
+            y, cache = self.mixer(rms_norm(h, self.input_norm[...], eps), **kw)
+            h = h + y
+        with jax.named_scope("mlp"):
+            h = h + self.mlp(rms_norm(h, self.post_norm[...], eps))
+        return h, cache
+
+
+def init_layer_cache(cfg: QwenConfig, layer_type: str, batch: int, max_len: int, dtype: jnp.dtype) -> Cache:
+    """Zeros for one layer: KV `[B, S, Hkv, d]` (attention) or conv window + state (DeltaNet)."""
+    if layer_type == FULL:
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    channels = 2 * cfg.linear_key_dim + cfg.linear_value_dim
+    return {
+        "conv": jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, channels), dtype),
+        "state": jnp.zeros(
+            (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
+        ),
+    }

@@ -1,0 +1,204 @@
+"""The Qwen3.5 text model (`Qwen3_5ForCausalLM`) in Flax NNX.
+
+The hybrid stack dispatches on data: `cfg.layer_types` (from HF's config) decides which layers are
+Gated DeltaNet and which are gated attention. Layers are scanned in groups of one period of that
+pattern (4 for Qwen3.5: three DeltaNet layers then one attention layer), so the compiled program
+holds one group body whatever the depth; layers past the last whole group form an unrolled tail.
+
+    h      = embed[input_ids]                                  [B, T, D]
+    h      = groups(h) → tail(h)                               (DecoderLayer each)
+    logits = rmsnorm(h) · W_lm   (W_lm = embedᵀ when tied)     [B, T, V]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpi.config import QwenConfig
+from jaxpi.kernels.attention import rope_tables
+from jaxpi.kernels.norms import rms_norm
+from jaxpi.models.layers import DecoderLayer, init_layer_cache
+from jaxpi.models.params import constant, normal, param
+
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_plan(cfg: QwenConfig) -> tuple[int, int]:
+    """(period P, groups G): layers [0, P·G) are scanned in G groups of P, the rest unrolled.
+
+    P is the shortest period of `layer_types` that repeats at least twice; with `scan_layers`
+    off, or no repeating pattern, G = 0 and every layer is in the tail.
+    """
+    types, n = cfg.layer_types, cfg.num_hidden_layers
+    if not cfg.scan_layers:
+        return 0, 0
+    for p in range(1, n // 2 + 1):
+        g = n // p
+        if all(types[i] == types[i % p] for i in range(g * p)):
+            return p, g
+    return 0, 0
+
+
+def layer_location(cfg: QwenConfig, i: int) -> tuple[str, int, int]:
+    """Where HF layer i lives: ("groups", position in the group, group index) or ("tail", j, -1)."""
+    p, g = layer_plan(cfg)
+    if i < p * g:
+        return "groups", i % p, i // p
+    return "tail", i - p * g, -1
+
+
+class LayerGroup(nnx.Module):
+    """One period of the layer pattern; instantiated under `nnx.vmap`, so each param is stacked."""
+
+    def __init__(self, cfg: QwenConfig, types: tuple[str, ...], *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.blocks = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in types])
+
+    def __call__(self, h: jax.Array, caches: tuple | None, **kw: Any) -> tuple[jax.Array, tuple | None]:
+        new = []
+        for j, block in enumerate(self.blocks):
+            h, c = block(h, cache=None if caches is None else caches[j], **kw)
+            new.append(c)
+        return h, (None if caches is None else tuple(new))
+
+
+class Qwen3_5ForCausalLM(nnx.Module):
+    def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype | str = jnp.float32, rngs: nnx.Rngs):
+        dtype = jnp.dtype(dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), normal(), dtype)
+        p, g = layer_plan(cfg)
+        if g:
+            pattern = cfg.layer_types[:p]
+
+            @nnx.split_rngs(splits=g)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_groups(r: nnx.Rngs) -> LayerGroup:
+                return LayerGroup(cfg, pattern, dtype=dtype, rngs=r)
+
+            self.groups = make_groups(rngs)
+        else:
+            self.groups = None
+        self.tail = nnx.List(
+            [DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types[p * g :]]
+        )
+        self.norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), normal(), dtype)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: dict | None = None,
+    ) -> jax.Array | tuple[jax.Array, dict]:
+        """Logits `[B, T, V]` for `input_ids` `[B, T]`; with `cache`, returns `(logits, new_cache)`.
+
+        `segment_ids` `[B, T]` packs several sequences per row: attention never crosses a segment
+        boundary and the DeltaNet conv window and state restart at each one; positions then
+        default to the offset within each segment. With a cache (prefill or decode), row b's new
+        tokens take positions `cache["lengths"][b] + t`.
+        """
+        hidden, new_cache = self.hidden_states(input_ids, positions, segment_ids, cache)
+        logits = self.logits(hidden)
+        return logits if cache is None else (logits, new_cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", hidden, w)
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: dict | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        """Final-normed hidden states `[B, T, D]` (the LM head is left to the caller's loss)."""
+        cfg = self.cfg
+        b, t = input_ids.shape
+        lengths = None
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a decode cache")
+            lengths = cache["lengths"]
+            if positions is None:
+                positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        elif positions is None:
+            positions = (
+                segment_positions(segment_ids)
+                if segment_ids is not None
+                else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            )
+        rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+        kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
+        h = jnp.take(self.embed[...], input_ids, axis=0)
+        new_cache: dict[str, Any] | None = None if cache is None else {"lengths": lengths + t}
+        if self.groups is not None:
+            h, group_cache = self._scan_groups(h, None if cache is None else cache["groups"], kw)
+            if new_cache is not None:
+                new_cache["groups"] = group_cache
+        tail_cache = []
+        for j, block in enumerate(self.tail):
+            fn = self._remat(lambda blk, x, c: blk(x, cache=c, **kw))
+            h, c = fn(block, h, None if cache is None else cache["tail"][j])
+            tail_cache.append(c)
+        if new_cache is not None:
+            new_cache["tail"] = tuple(tail_cache)
+        return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
+
+    def _remat(self, fn):
+        if self.cfg.remat == "none":
+            return fn
+        return nnx.remat(fn, policy=REMAT[self.cfg.remat])
+
+    def _scan_groups(self, h: jax.Array, caches: tuple | None, kw: dict) -> tuple[jax.Array, tuple | None]:
+        graphdef, state = nnx.split(self.groups)
+
+        def body(x, xs):
+            st, c = xs
+            return nnx.merge(graphdef, st)(x, c, **kw)
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT[self.cfg.remat])
+        with jax.named_scope("layer_groups"):
+            h, new = jax.lax.scan(body, h, (state, caches))
+        return h, new
+
+    # ---- decode cache ---------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> dict:
+        """An empty cache for `max_len` tokens per row: KV for attention layers, conv window and
+        recurrent state (float32) for DeltaNet layers, and each row's length so far."""
+        cfg, dtype = self.cfg, jnp.dtype(dtype or self.dtype)
+        p, g = layer_plan(cfg)
+        cache: dict[str, Any] = {"lengths": jnp.zeros((batch,), jnp.int32)}
+        if g:
+            cache["groups"] = tuple(
+                jax.tree.map(
+                    lambda a: jnp.broadcast_to(a, (g, *a.shape)),
+                    init_layer_cache(cfg, t, batch, max_len, dtype),
+                )
+                for t in cfg.layer_types[:p]
+            )
+        cache["tail"] = tuple(init_layer_cache(cfg, t, batch, max_len, dtype) for t in cfg.layer_types[p * g :])
+        return cache
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Offset of each token within its segment: `[0, 1, 2, 0, 1, ...]` for `[a, a, a, b, b, ...]`."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
