@@ -89,7 +89,12 @@ def torch_reference(hf_dir: Path, ids: np.ndarray, dtype: str) -> tuple[np.ndarr
     """Logits, loss and per-parameter gradients from `transformers` (eager attention, CPU)."""
     import torch
     import torch.nn.functional as F
+    import transformers
     from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    # The fallback-kernel notices and load bars would drown the report.
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
     kind = AutoConfig.from_pretrained(hf_dir).model_type
     cls = Qwen3_5ForConditionalGeneration if kind == "qwen3_5" else Qwen3_5ForCausalLM
@@ -99,7 +104,7 @@ def torch_reference(hf_dir: Path, ids: np.ndarray, dtype: str) -> tuple[np.ndarr
     loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
     loss.backward()
     grads = {n: p.grad.float().numpy() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach().float().numpy(), float(loss), grads
+    return logits.detach().float().numpy(), loss.item(), grads
 
 
 def jax_reference(model: Any, ids: np.ndarray) -> tuple[np.ndarray, float, dict[tuple, np.ndarray]]:
@@ -138,7 +143,9 @@ def run_parity(
     hf_dir = Path(hf_dir)
     cfg, model = load_hf(hf_dir, dtype=dtype)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len))
-    with inject_bug(inject):
+    # fp32 parity means fp32 matmuls: accelerators would otherwise use bf16/TF32 passes.
+    precision = "highest" if dtype == "float32" else "default"
+    with inject_bug(inject), jax.default_matmul_precision(precision):
         logits_j, loss_j, grads_j = jax_reference(model, ids)
     logits_t, loss_t, grads_t = torch_reference(hf_dir, ids, dtype)
 

@@ -1,0 +1,248 @@
+"""The gated delta rule kernels against transformers' torch reference (fp32, CPU), forward and backward."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
+from jaxpi.kernels.gated_delta import (
+    _unit_lower_inverse,
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    recurrent_gated_delta_rule,
+)
+
+jax.config.update("jax_enable_x64", False)
+
+FWD_TOL = 1e-5
+GRAD_TOL = 1e-4
+ARG_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def make_inputs(
+    seed: int, batch: int, length: int, k_heads: int, v_heads: int, dk: int = 32, dv: int = 16
+) -> tuple[np.ndarray, ...]:
+    """q, k, v, g, beta, initial_state, with Qwen3.5's g = −exp(A_log)·softplus(a) and β = sigmoid(b)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    g = -np.exp(normal(v_heads)) * np.logaddexp(0, normal(batch, length, v_heads))
+    beta = 1 / (1 + np.exp(-normal(batch, length, v_heads)))
+    return (
+        normal(batch, length, k_heads, dk),
+        normal(batch, length, k_heads, dk),
+        normal(batch, length, v_heads, dv),
+        g.astype(np.float32),
+        beta.astype(np.float32),
+        normal(batch, v_heads, dk, dv),
+    )
+
+
+def rel_err(a: np.ndarray | jax.Array | torch.Tensor, b: np.ndarray | jax.Array | torch.Tensor) -> float:
+    a, b = (np.asarray(x.detach() if isinstance(x, torch.Tensor) else x, np.float64) for x in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def assert_close(a, b, tol: float, what: str) -> None:
+    err = rel_err(a, b)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
+
+
+def hf_run(fn, args: tuple[np.ndarray, ...], initial_state: np.ndarray | None, **kwargs):
+    tensors = [torch.from_numpy(x) for x in args]
+    state = None if initial_state is None else torch.from_numpy(initial_state)
+    return fn(*tensors, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs)
+
+
+def chunked(chunk_size: int):
+    return jax.jit(functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size))
+
+
+def loss_grads(fn, args: tuple[np.ndarray, ...], initial_state: np.ndarray, cot_out, cot_state, **kwargs):
+    """Gradients of Σ out·cot_out + Σ state·cot_state w.r.t. (q, k, v, g, beta, initial_state)."""
+
+    def loss(*xs: jax.Array) -> jax.Array:
+        out, state = fn(*xs[:5], initial_state=xs[5], **kwargs)
+        return jnp.sum(out * cot_out) + jnp.sum(state * cot_state)
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args, initial_state)
+
+
+def cotangents(seed: int, out_shape: tuple[int, ...], state_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape).astype(np.float32) for shape in (out_shape, state_shape))
+
+
+FORWARD_CASES = [  # length, chunk size, key heads, value heads
+    (37, 16, 2, 6),
+    (100, 32, 2, 2),
+    (100, 64, 1, 3),
+    (37, 24, 2, 2),  # a chunk size that is not a power of two
+]
+
+
+@pytest.mark.parametrize(("length", "chunk_size", "k_heads", "v_heads"), FORWARD_CASES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_forward_matches_hf(
+    length: int, chunk_size: int, k_heads: int, v_heads: int, with_state: bool
+):
+    *args, s0 = make_inputs(0, 2, length, k_heads, v_heads)
+    s0 = s0 if with_state else None
+    out, state = chunked(chunk_size)(*args, initial_state=s0)
+    assert out.shape == (2, length, v_heads, 16) and state.shape == (2, v_heads, 32, 16)
+    ref_chunk = hf_run(torch_chunk_gated_delta_rule, args, s0, chunk_size=chunk_size)
+    ref_rec = hf_run(torch_recurrent_gated_delta_rule, args, s0)
+    for name, (ref_out, ref_state) in {"hf chunked": ref_chunk, "hf recurrent": ref_rec}.items():
+        assert_close(out, ref_out, FWD_TOL, f"output vs {name}")
+        assert_close(state, ref_state, FWD_TOL, f"final state vs {name}")
+
+
+@pytest.mark.parametrize(("length", "chunk_size", "k_heads", "v_heads"), [(37, 16, 2, 6), (100, 32, 2, 2)])
+def test_chunked_backward_matches_hf(length: int, chunk_size: int, k_heads: int, v_heads: int):
+    *args, s0 = make_inputs(1, 2, length, k_heads, v_heads)
+    cot_out, cot_state = cotangents(2, (2, length, v_heads, 16), s0.shape)
+    grads = loss_grads(chunk_gated_delta_rule, args, s0, cot_out, cot_state, chunk_size=chunk_size)
+
+    leaves = [torch.tensor(x, requires_grad=True) for x in (*args, s0)]
+    out, state = torch_chunk_gated_delta_rule(
+        *leaves[:5],
+        chunk_size=chunk_size,
+        initial_state=leaves[5],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    ((out * torch.from_numpy(cot_out)).sum() + (state * torch.from_numpy(cot_state)).sum()).backward()
+    for name, grad, leaf in zip(ARG_NAMES, grads, leaves, strict=True):
+        assert np.all(np.isfinite(grad)), name
+        assert_close(grad, leaf.grad, GRAD_TOL, f"d{name}")
+
+
+def test_chunked_matches_recurrent_and_steps():
+    *args, s0 = make_inputs(3, 2, 37, 2, 6)
+    out_c, state_c = chunked(16)(*args, initial_state=s0)
+    out_r, state_r = jax.jit(recurrent_gated_delta_rule)(*args, initial_state=s0)
+    assert_close(out_c, out_r, FWD_TOL, "chunked vs recurrent output")
+    assert_close(state_c, state_r, FWD_TOL, "chunked vs recurrent state")
+
+    step = jax.jit(gated_delta_step)
+    state, outs = jnp.asarray(s0), []
+    for t in range(args[0].shape[1]):
+        out, state = step(*(x[:, t] for x in args), state)
+        outs.append(out)
+    np.testing.assert_allclose(np.stack(outs, axis=1), out_r, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(state, state_r, rtol=0, atol=1e-6)
+
+
+def test_chunked_grads_match_recurrent():
+    *args, s0 = make_inputs(4, 1, 37, 1, 2)
+    cot_out, cot_state = cotangents(5, (1, 37, 2, 16), s0.shape)
+    grads_c = loss_grads(chunk_gated_delta_rule, args, s0, cot_out, cot_state, chunk_size=16)
+    grads_r = loss_grads(recurrent_gated_delta_rule, args, s0, cot_out, cot_state)
+    for name, a, b in zip(ARG_NAMES, grads_c, grads_r, strict=True):
+        assert_close(a, b, GRAD_TOL, f"d{name}")
+
+
+def test_strong_decay_stays_finite():
+    *args, s0 = make_inputs(6, 1, 40, 1, 2)
+    args[3] = np.full_like(args[3], -60.0)  # e^{γ} underflows to 0 within a chunk
+    cot_out, cot_state = cotangents(7, (1, 40, 2, 16), s0.shape)
+    out, state = chunked(16)(*args, initial_state=s0)
+    ref_out, ref_state = hf_run(torch_recurrent_gated_delta_rule, args, s0)
+    assert_close(out, ref_out, FWD_TOL, "output")
+    assert_close(state, ref_state, FWD_TOL, "state")
+    grads = loss_grads(chunk_gated_delta_rule, args, s0, cot_out, cot_state, chunk_size=16)
+    for name, grad in zip(ARG_NAMES, grads, strict=True):
+        assert np.all(np.isfinite(grad)), name
+
+
+SEGMENT_LENGTHS = [(20, 44, 36), (64, 5, 31)]  # resets mid-chunk and on a chunk boundary (chunk 32)
+
+
+def packed_segment_ids() -> np.ndarray:
+    rows = []
+    for lengths in SEGMENT_LENGTHS:
+        # ids reused out of order: a reset is any change of id, not a new id
+        rows.append(np.concatenate([np.full(n, (5, 2, 5)[i], np.int32) for i, n in enumerate(lengths)]))
+    return np.stack(rows)
+
+
+def separate_runs_with_grads(args, s0, cot_out, cot_state):
+    """Every segment alone through transformers (the first from initial_state, the rest from zeros)."""
+    leaves = [torch.tensor(x, requires_grad=True) for x in (*args, s0)]
+    cot_out_t, cot_state_t = torch.from_numpy(cot_out), torch.from_numpy(cot_state)
+    outs, states, loss = [], [], 0.0
+    for b, lengths in enumerate(SEGMENT_LENGTHS):
+        start, row = 0, []
+        for i, n in enumerate(lengths):
+            piece = [x[b : b + 1, start : start + n] for x in leaves[:5]]
+            init = leaves[5][b : b + 1] if i == 0 else None
+            out, state = torch_chunk_gated_delta_rule(
+                *piece,
+                chunk_size=16,
+                initial_state=init,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            loss = loss + (out * cot_out_t[b : b + 1, start : start + n]).sum()
+            row.append(out)
+            start += n
+        outs.append(torch.cat(row, dim=1))
+        states.append(state)
+        loss = loss + (state * cot_state_t[b : b + 1]).sum()
+    loss.backward()
+    return torch.cat(outs), torch.cat(states), [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [functools.partial(chunk_gated_delta_rule, chunk_size=32), recurrent_gated_delta_rule],
+    ids=["chunked", "recurrent"],
+)
+def test_segments_equal_separate_runs(fn):
+    *args, s0 = make_inputs(8, 2, 100, 2, 6)
+    segment_ids = packed_segment_ids()
+    cot_out, cot_state = cotangents(9, (2, 100, 6, 16), s0.shape)
+    ref_out, ref_state, ref_grads = separate_runs_with_grads(args, s0, cot_out, cot_state)
+
+    out, state = jax.jit(fn)(*args, initial_state=s0, segment_ids=segment_ids)
+    assert_close(out, ref_out, FWD_TOL, "output")
+    assert_close(state, ref_state, FWD_TOL, "final state")
+    grads = loss_grads(fn, args, s0, cot_out, cot_state, segment_ids=segment_ids)
+    for name, grad, ref in zip(ARG_NAMES, grads, ref_grads, strict=True):
+        assert_close(grad, ref, GRAD_TOL, f"d{name}")
+
+
+def test_unit_lower_inverse_accuracy():
+    """Correlated keys make (I + A)⁻¹ hard for the Neumann product; block doubling stays at rounding level."""
+    rng = np.random.default_rng(10)
+    k = rng.standard_normal((32, 64, 16)) + 3 * rng.standard_normal((32, 1, 16))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 1 / (1 + np.exp(-rng.standard_normal((32, 64, 1))))
+    a = np.tril(beta * (k @ k.swapaxes(-1, -2)), -1)
+    ref = np.linalg.inv(np.eye(64) + a)
+    assert rel_err(jax.jit(_unit_lower_inverse)(jnp.asarray(a, jnp.float32)), ref) < 1e-6
+
+
+def test_no_triangular_solve_in_program():
+    *args, s0 = make_inputs(11, 1, 40, 1, 2)
+
+    def loss(*xs: jax.Array) -> jax.Array:
+        out, state = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], chunk_size=16)
+        return jnp.sum(out) + jnp.sum(state)
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).lower(*args, s0).as_text()
+    assert "triangular_solve" not in text
+    assert "custom_call" not in text
