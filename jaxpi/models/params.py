@@ -36,4 +36,4 @@ def param(
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(axes):
         raise ValueError(f"shape {shape} and logical axes {tuple(axes)} differ in rank")
-    return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=tuple(axes), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(axes), eager_sharding=False)

@@ -202,3 +202,13 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
     )
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def concat_cache_rows(caches: list[dict]) -> dict:
+    """Join decode caches of separate requests along the batch axis (the axis after the
+    stacked-group axis for scanned layers, the first axis elsewhere)."""
+    out = {"lengths": jnp.concatenate([c["lengths"] for c in caches])}
+    if "groups" in caches[0]:
+        out["groups"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1), *[c["groups"] for c in caches])
+    out["tail"] = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *[c["tail"] for c in caches])
+    return out

@@ -1,0 +1,74 @@
+"""The `jaxpi` command: parity, convert, tiny-checkpoint, demo (in-process and one real subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxpi.cli import main
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["tiny-checkpoint", str(out), "--kind", "conditional", "--layers", "4", "--seed", "5"]) == 0
+    return out
+
+
+def test_parity_json_passes_and_names_every_parameter(ckpt, capsys):
+    assert main(["parity", "--hf-dir", str(ckpt), "--seq-len", "24", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is True and report["failing"] == []
+    assert report["logits_rel"] <= 1e-4
+    names = [g["name"] for g in report["grads"]]
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert len(names) == len(set(names)) > 50
+    errs = [g["rel_err"] for g in report["grads"]]
+    assert errs == sorted(errs, reverse=True) and max(errs) <= 1e-3
+
+
+def test_parity_with_an_injected_bug_exits_1(ckpt, capsys):
+    code = main(["parity", "--hf-dir", str(ckpt), "--seq-len", "24", "--inject", "gated-norm-pre-gate"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL" in out and "linear_attn.norm.weight" in out
+
+
+def test_convert_check_and_export(ckpt, tmp_path, capsys):
+    assert main(["convert", "--from", str(ckpt), "--check", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 4 and summary["carried_tensors"] > 0
+    out = tmp_path / "bf16"
+    assert main(["convert", "--from", str(ckpt), "--to", str(out), "--dtype", "bfloat16", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert "model.safetensors" in written["files"] and "config.json" in written["files"]
+    assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "bfloat16"
+    # A second export into the same non-empty directory is refused with a clear message.
+    assert main(["convert", "--from", str(ckpt), "--to", str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_convert_reports_a_bad_checkpoint_by_tensor_name(ckpt, tmp_path, capsys):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.language_model.layers.1.linear_attn.A_log"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "--from", str(bad), "--check"]) == 2
+    assert "model.language_model.layers.1.linear_attn.A_log" in capsys.readouterr().err
+
+
+def test_console_script_help():
+    for args in (["--help"], ["convert", "--help"], ["parity", "--help"], ["demo", "--help"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxpi.cli", *args], capture_output=True, text=True, check=True
+        ).stdout
+        assert "usage: jaxpi" in out
+    assert "--inject" in subprocess.run(
+        [sys.executable, "-m", "jaxpi.cli", "parity", "--help"], capture_output=True, text=True, check=True
+    ).stdout

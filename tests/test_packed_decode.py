@@ -1,0 +1,101 @@
+"""Packed sequences and the decode cache, on the whole model (fp32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpi import TINY, load_hf
+from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.models.qwen3_5 import concat_cache_rows, segment_positions
+
+
+FWD = jax.jit(lambda m, x: m(x))
+STEP = jax.jit(lambda m, x, c: m(x, cache=c))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # 9 layers: two scanned groups (3 DeltaNet + 1 attention each) and an unrolled DeltaNet tail.
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), TINY.replace(num_hidden_layers=9), seed=11)
+    return load_hf(ckpt)[1]
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 45)), jnp.int32)
+
+
+def test_segment_positions():
+    seg = jnp.asarray([[3, 3, 3, 4, 4, 9], [1, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+
+
+def test_packed_row_equals_its_segments_run_alone(model, ids):
+    # Boundaries at 12 and 29: one inside a 16-token DeltaNet chunk, one a token past a chunk edge.
+    lengths = [12, 17, 16]
+    seg = jnp.asarray([sum([[k] * n for k, n in enumerate(lengths)], []), [7] * 45])
+    packed = jax.jit(lambda m, x, s: m(x, segment_ids=s))(model, ids, seg)
+    start = 0
+    for n in lengths:
+        alone = FWD(model, ids[:1, start : start + n])
+        assert rel(packed[0, start : start + n], alone[0]) < 1e-4
+        start += n
+    # One segment covering the row is the plain forward.
+    assert rel(packed[1], FWD(model, ids[1:])[0]) < 1e-4
+
+
+def test_packed_gradients_equal_separate_gradients(model, ids):
+    from flax import nnx
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    seg = jnp.asarray([[0] * 20 + [1] * 25])
+
+    def loss(p, x, s=None):
+        return jnp.sum(nnx.merge(graphdef, p)(x, segment_ids=s) ** 2)
+
+    g_packed = jax.grad(loss)(params, ids[:1], seg)
+    g_a = jax.grad(loss)(params, ids[:1, :20])
+    g_b = jax.grad(loss)(params, ids[:1, 20:])
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+    assert rel(flat(g_packed), flat(g_a) + flat(g_b)) < 1e-4
+
+
+def test_prefill_then_decode_reproduces_the_full_forward(model, ids):
+    full = FWD(model, ids)
+    step = STEP
+    cache = model.init_cache(batch=2, max_len=64)
+    logits, cache = step(model, ids[:, :29], cache)  # prefill (spans chunk boundaries)
+    outs = [logits]
+    for t in range(29, 45):  # token-by-token decode: the recurrent DeltaNet step, the KV cache
+        logits, cache = step(model, ids[:, t : t + 1], cache)
+        outs.append(logits)
+    decoded = jnp.concatenate(outs, axis=1)
+    assert rel(decoded, full) < 1e-4
+    np.testing.assert_array_equal(cache["lengths"], [45, 45])
+
+
+def test_decode_rows_with_different_lengths(model, ids):
+    # Row 0 was prefilled with 10 tokens, row 1 with 20 (each alone); one decode step continues both.
+    step = STEP
+    rows = []
+    for b, n in enumerate((10, 20)):
+        c = model.init_cache(batch=1, max_len=32)
+        _, c = step(model, ids[b : b + 1, :n], c)
+        rows.append(c)
+    cache = concat_cache_rows(rows)
+    nxt = jnp.stack([ids[0, 10:11], ids[1, 20:21]])
+    logits, cache = step(model, nxt, cache)
+    assert rel(logits[0, 0], FWD(model, ids[:1, :11])[0, -1]) < 1e-4
+    assert rel(logits[1, 0], FWD(model, ids[1:, :21])[0, -1]) < 1e-4
+    np.testing.assert_array_equal(cache["lengths"], [11, 21])
+
+
+def test_segments_and_cache_do_not_mix(model, ids):
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(ids, segment_ids=jnp.zeros_like(ids), cache=model.init_cache(2, 64))
