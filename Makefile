@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 resolves to the CPU wheel on these machines; see README.
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
