@@ -22,10 +22,13 @@ from jaxpi.convert.safetensors_io import read_index
 from jaxpi.convert.table import stack_index, text_rules
 from jaxpi.kernels.norms import inject_bug
 
-# Thresholds. fp32: the bar. bf16: measured on random tiny checkpoints (docs/parity.md).
+# fp32: logits and every gradient must agree to float32 noise. bf16: about twice the worst error
+# measured between jax-bf16 and torch-bf16 on random tiny checkpoints (docs/parity.md), which is
+# as far as torch-bf16 itself is from torch-fp32; only gross errors show at bf16, so subtle
+# backward bugs are the fp32 run's job.
 THRESHOLDS = {
     "float32": {"logits_rel": 1e-4, "grad_rel": 1e-3},
-    "bfloat16": {"logits_rel": 3e-2, "grad_rel": 1e-1},
+    "bfloat16": {"logits_rel": 1e-1, "grad_rel": 1.0},
 }
 
 
