@@ -1,9 +1,9 @@
 """`jaxpi`: the command-line front door.
 
-    jaxpi parity --hf-dir DIR [--seq-len N] [--batch B] [--dtype float32|bfloat16] [--inject BUG] [--json]
-    jaxpi convert --from DIR --to OUT [--dtype bfloat16] [--max-shard-size 5GB] [--check] [--json]
-    jaxpi tiny-checkpoint OUT [--kind causal|conditional] [--layers N] [--seed S] [--dtype float32]
-    jaxpi demo [--out DIR] [--json]
+jaxpi parity --hf-dir DIR [--seq-len N] [--batch B] [--dtype float32|bfloat16] [--inject BUG] [--json]
+jaxpi convert --from DIR --to OUT [--dtype bfloat16] [--max-shard-size 5GB] [--check] [--json]
+jaxpi tiny-checkpoint OUT [--kind causal|conditional] [--layers N] [--seed S] [--dtype float32]
+jaxpi demo [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from jaxpi.parity import run_parity
 
     report = run_parity(
-        args.hf_dir, seq_len=args.seq_len, batch=args.batch, dtype=args.dtype, seed=args.seed, inject=args.inject
+        args.hf_dir,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        dtype=args.dtype,
+        seed=args.seed,
+        inject=args.inject,
     )
     _print(report.to_json(), args.json, report.table(args.top))
     return 0 if report.passed else 1
@@ -65,8 +70,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 0
     _, model = load_hf(src, dtype=args.load_dtype, progress=not args.json)
     out = save_hf(
-        model, args.dst, source=src, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-        overwrite=args.overwrite, progress=not args.json,
+        model,
+        args.dst,
+        source=src,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.json,
     )
     files = sorted(p.name for p in out.iterdir())
     summary.update(output=str(out), files=files)
@@ -102,18 +112,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg, model = load_hf(ckpt)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if not args.json:
-        print(f"checkpoint: {ckpt}\nmodel: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
+        print(
+            f"checkpoint: {ckpt}\nmodel: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params"
+        )
     report = run_parity(ckpt, seq_len=args.seq_len, batch=2, seed=args.seed)
     _print(report.to_json(), args.json, report.table())
     return 0 if report.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxpi", description="Qwen3.5 in JAX: HF weights in and out, parity with transformers.")
+    p = argparse.ArgumentParser(
+        prog="jaxpi", description="Qwen3.5 in JAX: HF weights in and out, parity with transformers."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     par = sub.add_parser("parity", help="compare logits, loss and every gradient against transformers")
-    par.add_argument("--hf-dir", required=True, help="HF checkpoint directory (CausalLM or ConditionalGeneration)")
+    par.add_argument(
+        "--hf-dir", required=True, help="HF checkpoint directory (CausalLM or ConditionalGeneration)"
+    )
     par.add_argument("--seq-len", type=int, default=64)
     par.add_argument("--batch", type=int, default=2)
     par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -121,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpi.kernels.norms import KNOWN_BUGS
 
     par.add_argument(
-        "--inject", choices=sorted(KNOWN_BUGS), default=None,
+        "--inject",
+        choices=sorted(KNOWN_BUGS),
+        default=None,
         help="swap in a known-bad fused-norm backward; the harness must fail and name the parameters",
     )
     par.add_argument("--top", type=int, default=15, help="gradient rows shown in the table")
@@ -137,8 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--from", dest="src", required=True, help="source HF checkpoint directory")
     conv.add_argument("--to", dest="dst", default=None, help="output directory (omit to only check)")
-    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                      help="dtype of the written text tensors (default: the source's)")
+    conv.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the written text tensors (default: the source's)",
+    )
     conv.add_argument("--load-dtype", choices=["float32", "bfloat16"], default="float32")
     conv.add_argument("--max-shard-size", type=_size, default=5 * 1024**3, help="e.g. 5GB (default), 500MB")
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")

@@ -58,7 +58,9 @@ class QwenConfig:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         errors = []
         if len(self.layer_types) != self.num_hidden_layers:
-            errors.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+            errors.append(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
         unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
         if unknown:
             errors.append(f"unknown layer types {unknown} (expected {LINEAR!r} or {FULL!r})")
@@ -67,7 +69,9 @@ class QwenConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             errors.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            errors.append(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and in (0, head_dim]")
+            errors.append(
+                f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and in (0, head_dim]"
+            )
         if self.hidden_act != "silu":
             errors.append(f"hidden_act {self.hidden_act!r} is not supported (Qwen3.5 uses 'silu')")
         if self.attention_bias:
@@ -116,7 +120,9 @@ class QwenConfig:
             raise ValueError("text_config must be a JSON object")
         model_type = text.get("model_type", raw.get("model_type"))
         if model_type not in ("qwen3_5_text", "qwen3_5", None):
-            raise ValueError(f"model_type {model_type!r} is not a Qwen3.5 text model")
+            raise ValueError(
+                f"model_type {model_type!r} is not a Qwen3.5 text model (expected 'qwen3_5_text' or 'qwen3_5')"
+            )
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (only 'default')")
@@ -192,7 +198,15 @@ _OPTIONAL = (
 )
 _KNOWN = set(_REQUIRED) | set(_OPTIONAL) | {"tie_word_embeddings", "model_type", "architectures"}
 # Fields folded into our own (rope) or re-derived, so not carried as extras.
-_DERIVED = {"rope_scaling", "rope_theta", "partial_rotary_factor", "full_attention_interval"}
+# The storage dtype is a property of the files, written by `save_hf`, not of the architecture.
+_DERIVED = {
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "full_attention_interval",
+    "dtype",
+    "torch_dtype",
+}
 
 
 def _freeze(v: Any) -> Any:

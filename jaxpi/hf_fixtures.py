@@ -21,7 +21,9 @@ def hf_text_config(cfg: QwenConfig, dtype: str = "float32") -> Any:
     """The `transformers` `Qwen3_5TextConfig` for `cfg` (eager attention, fp32 unless asked)."""
     from transformers import Qwen3_5TextConfig
 
-    hf = Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")})
+    hf = Qwen3_5TextConfig(
+        **{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
+    )
     hf._attn_implementation = "eager"
     hf.dtype = dtype
     return hf
@@ -87,11 +89,19 @@ def make_checkpoint(
 
     text = {k: v for k, v in cfg.to_hf().items() if k != "architectures"}
     vision = {
-        "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-        "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": cfg.hidden_size,
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 4,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": cfg.hidden_size,
         "num_position_embeddings": 16,
     }
-    hf_cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=cfg.tie_word_embeddings)
+    hf_cfg = Qwen3_5Config(
+        text_config=text, vision_config=vision, tie_word_embeddings=cfg.tie_word_embeddings
+    )
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(hf_cfg).to(getattr(torch, dtype)).eval()
     randomize_(model, seed)

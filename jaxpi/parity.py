@@ -88,7 +88,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
 
 
-def torch_reference(hf_dir: Path, ids: np.ndarray, dtype: str) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
+def torch_reference(
+    hf_dir: Path, ids: np.ndarray, dtype: str
+) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
     """Logits, loss and per-parameter gradients from `transformers` (eager attention, CPU)."""
     import torch
     import torch.nn.functional as F

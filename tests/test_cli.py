@@ -69,6 +69,12 @@ def test_console_script_help():
             [sys.executable, "-m", "jaxpi.cli", *args], capture_output=True, text=True, check=True
         ).stdout
         assert "usage: jaxpi" in out
-    assert "--inject" in subprocess.run(
-        [sys.executable, "-m", "jaxpi.cli", "parity", "--help"], capture_output=True, text=True, check=True
-    ).stdout
+    assert (
+        "--inject"
+        in subprocess.run(
+            [sys.executable, "-m", "jaxpi.cli", "parity", "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )

@@ -9,7 +9,12 @@ from jaxpi.config import FULL, LINEAR, QWEN3_5_27B, TINY, QwenConfig, preset
 
 def test_27b_preset_matches_published_numbers():
     c = QWEN3_5_27B
-    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (64, 5120, 17408, 248320)
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (
+        64,
+        5120,
+        17408,
+        248320,
+    )
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
     assert (c.linear_num_key_heads, c.linear_num_value_heads) == (16, 48)
     assert (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim) == (128, 128, 4)
@@ -31,7 +36,13 @@ def test_from_hf_reads_both_checkpoint_kinds(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(outer))
     multimodal = QwenConfig.from_hf(tmp_path)
     assert causal == multimodal == QwenConfig.from_hf(tmp_path / "config.json")
-    for field in ("hidden_size", "layer_types", "rope_theta", "partial_rotary_factor", "linear_num_value_heads"):
+    for field in (
+        "hidden_size",
+        "layer_types",
+        "rope_theta",
+        "partial_rotary_factor",
+        "linear_num_value_heads",
+    ):
         assert getattr(causal, field) == getattr(QWEN3_5_27B, field)
 
 
@@ -72,7 +83,7 @@ def test_invalid_configs_are_explained(change, message):
 
 
 def test_from_hf_rejects_other_models(tmp_path):
-    with pytest.raises(ValueError, match="not a Qwen3.5"):
+    with pytest.raises(ValueError, match=r"not a Qwen3\.5"):
         QwenConfig.from_hf({**TINY.to_hf(), "model_type": "llama"})
     with pytest.raises(ValueError, match="rope_type"):
         QwenConfig.from_hf({**TINY.to_hf(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})

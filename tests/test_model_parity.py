@@ -108,7 +108,9 @@ BF16_GRAD_BOUND = 1.0
 BF16_MEDIAN_GRAD_BOUND = 0.5
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_bf16_parity_tiny(seed: int, tmp_path):
     """bf16 weights and activations vs transformers in bf16 (both on CPU), config (a)."""
     hf_dir = make_checkpoint(tmp_path / "bf16", TINY, seed=seed)

@@ -9,7 +9,6 @@ from jaxpi import TINY, load_hf
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.models.qwen3_5 import concat_cache_rows, segment_positions
 
-
 FWD = jax.jit(lambda m, x: m(x))
 STEP = jax.jit(lambda m, x, c: m(x, cache=c))
 
@@ -39,7 +38,7 @@ def test_segment_positions():
 def test_packed_row_equals_its_segments_run_alone(model, ids):
     # Boundaries at 12 and 29: one inside a 16-token DeltaNet chunk, one a token past a chunk edge.
     lengths = [12, 17, 16]
-    seg = jnp.asarray([sum([[k] * n for k, n in enumerate(lengths)], []), [7] * 45])
+    seg = jnp.asarray([np.repeat(np.arange(len(lengths)), lengths), np.full(45, 7)])
     packed = jax.jit(lambda m, x, s: m(x, segment_ids=s))(model, ids, seg)
     start = 0
     for n in lengths:
@@ -59,9 +58,10 @@ def test_packed_gradients_equal_separate_gradients(model, ids):
     def loss(p, x, s=None):
         return jnp.sum(nnx.merge(graphdef, p)(x, segment_ids=s) ** 2)
 
-    g_packed = jax.grad(loss)(params, ids[:1], seg)
-    g_a = jax.grad(loss)(params, ids[:1, :20])
-    g_b = jax.grad(loss)(params, ids[:1, 20:])
+    grad = jax.jit(jax.grad(loss))
+    g_packed = grad(params, ids[:1], seg)
+    g_a = grad(params, ids[:1, :20])
+    g_b = grad(params, ids[:1, 20:])
     flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
     assert rel(flat(g_packed), flat(g_a) + flat(g_b)) < 1e-4
 

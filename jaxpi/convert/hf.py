@@ -2,7 +2,8 @@
 
 Loading streams one HF tensor at a time into our parameters (stacked layer groups are assembled
 slice by slice into one host buffer, then placed on their sharding), so host memory peaks at about
-the largest jaxpi parameter plus one HF tensor, never the whole model. Saving streams the other way
+the largest jaxpi parameter plus one HF tensor, never the whole model; on CPU the backend adopts
+the host buffer as the parameter, leaving one HF tensor of overhead (docs/convert.md). Saving streams the other way
 into ≤ 5 GB shards written to a temporary directory that is renamed into place at the end: an
 interrupted save never leaves a directory that looks complete. Tensors the text model does not own
 (the vision tower `model.visual.*`, the MTP head `mtp.*`) are carried from `source` byte for byte.
@@ -10,6 +11,7 @@ interrupted save never leaves a directory that looks complete. Tensors the text 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,6 +30,7 @@ from jaxpi.config import QwenConfig
 from jaxpi.convert.safetensors_io import (
     CODES,
     DTYPES,
+    CheckpointError,
     PlannedTensor,
     TensorInfo,
     read_array,
@@ -43,16 +46,14 @@ FLOAT_CODES = ("F32", "BF16", "F16")
 MAX_SHARD_BYTES = 5 * 1024**3
 # Everything in a checkpoint directory that is neither weights nor config travels with an export.
 _NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+# Weights in any format are never copied: the export's own safetensors replace them.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".index.json")
 
 ShardingFn = Callable[[tuple, tuple], jax.sharding.Sharding]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: names the tensor and what was expected."""
-
-
 def text_prefix(names: Any) -> str:
-    """"model.language_model." for a `Qwen3_5ForConditionalGeneration` checkpoint, else "model."."""
+    """ "model.language_model." for a `Qwen3_5ForConditionalGeneration` checkpoint, else "model."."""
     return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
 
 
@@ -62,24 +63,39 @@ def check_checkpoint(cfg: QwenConfig, index: dict[str, TensorInfo]) -> tuple[lis
     wanted = {r.hf for r in rules}
     missing = sorted(wanted - set(index))
     if missing:
+        shape = next(list(r.hf_shape) for r in rules if r.hf == missing[0])
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"missing tensor {missing[0]!r}{more}: the config expects it but no file has it")
+        raise CheckpointError(
+            f"missing tensor {missing[0]!r}{more}: config.json expects shape {shape} "
+            f"(dtype one of {list(FLOAT_CODES)}), found no such tensor"
+        )
     carried = sorted(n for n in index if n not in wanted and n.startswith(CARRIED_PREFIXES))
     unexpected = sorted(n for n in index if n not in wanted and not n.startswith(CARRIED_PREFIXES))
     if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some writers store the tied copy; it is the embedding
+        if index["lm_head.weight"].shape != (cfg.vocab_size, cfg.hidden_size):
+            raise CheckpointError(
+                f"tensor 'lm_head.weight' has shape {list(index['lm_head.weight'].shape)}, expected "
+                f"{[cfg.vocab_size, cfg.hidden_size]} (the tied embedding)"
+            )
     if unexpected:
+        info = index[unexpected[0]]
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(
-            f"unexpected tensor {unexpected[0]!r}{more}: not part of the Qwen3.5 text model described by "
-            f"config.json, nor a carried vision/MTP tensor"
+            f"unexpected tensor {unexpected[0]!r} ({info.dtype} {list(info.shape)}){more}: expected no such "
+            f"tensor, it is neither part of the Qwen3.5 text model described by config.json nor a carried "
+            f"vision/MTP tensor ({' / '.join(p + '*' for p in CARRIED_PREFIXES)})"
         )
     for r in rules:
         info = index[r.hf]
         if info.shape != r.hf_shape:
-            raise CheckpointError(f"tensor {r.hf!r} has shape {list(info.shape)}, expected {list(r.hf_shape)}")
+            raise CheckpointError(
+                f"tensor {r.hf!r} has shape {list(info.shape)}, expected {list(r.hf_shape)}"
+            )
         if info.dtype not in FLOAT_CODES:
-            raise CheckpointError(f"tensor {r.hf!r} has dtype {info.dtype}, expected one of {list(FLOAT_CODES)}")
+            raise CheckpointError(
+                f"tensor {r.hf!r} has dtype {info.dtype}, expected one of {list(FLOAT_CODES)}"
+            )
     return rules, carried
 
 
@@ -100,7 +116,11 @@ def load_hf(
     """
     path = Path(path)
     dtype = jnp.dtype(dtype)
-    cfg = QwenConfig.from_hf(path)
+    try:
+        cfg = QwenConfig.from_hf(path)
+    except ValueError as e:
+        hint = " (expected 'qwen3_5_text' or 'qwen3_5')" if "model_type" in str(e) else ""
+        raise CheckpointError(f"{path / 'config.json'}: {e}{hint}") from e
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     index = read_index(path)
@@ -115,13 +135,15 @@ def load_hf(
     filled = []
     items = list(by_path.items())
     for p, var in tqdm(items, desc=f"loading {path.name}", disable=not progress, unit="param"):
-        host = np.empty(var.get_value().shape, dtype=np.dtype(dtype))
+        # One parameter at a time: its host buffer (all layers of a stacked group) plus one HF
+        # tensor, written straight into the buffer (transposed and cast, no temporaries).
+        host = _aligned_empty(var.get_value().shape, np.dtype(dtype))
         for rule, part, g in sources[p]:
-            piece = rule.to_ours(read_array(index[rule.hf]))[part]
-            if g is None:
-                host[...] = piece
-            else:
-                host[g] = piece
+            info = index[rule.hf]
+            rows = rule.part_rows(part)  # a fused tensor's part is a row range: read only that
+            a = read_array(info, rows)
+            rule.part_into(a, part, host if g is None else host[g], row_offset=rows[0] if rows else 0)
+            del a
         axes = tuple(var.get_metadata().get("out_sharding") or ())
         filled.append((p, var.replace(_place(host, shardings(p, axes) if shardings else None))))
         del host
@@ -129,9 +151,19 @@ def load_hf(
     return cfg, model
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """`np.empty`, 64-byte aligned: the CPU backend then adopts the buffer instead of copying it."""
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(n + align, np.uint8)
+    off = -buf.ctypes.data % align
+    return buf[off : off + n].view(dtype).reshape(shape)
+
+
 def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
     if sharding is None:
-        return jnp.asarray(host)
+        # `device_put`, not `jnp.asarray`: on CPU it aliases the aligned buffer (`host` is never
+        # written again), where `jnp.asarray` would hold a second copy of the parameter.
+        return jax.device_put(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
@@ -164,6 +196,8 @@ def save_hf(
     """
     cfg = model.cfg
     out = Path(out_dir)
+    if dtype is not None and CODES.get(np.dtype(jnp.dtype(dtype))) not in FLOAT_CODES:
+        raise ValueError(f"dtype must be one of 'float32', 'bfloat16', 'float16', not {dtype!r}")
     src = Path(source) if source is not None else None
     src_index = read_index(src) if src is not None else {}
     if src is not None:
@@ -189,10 +223,11 @@ def save_hf(
         planned.append(PlannedTensor(rule.hf, code, rule.hf_shape, _producer(rule, params, g, code)))
     for name in carried:
         info = src_index[name]
-        planned.append(PlannedTensor(name, info.dtype, info.shape, lambda info=info: read_raw(info)))
+        raw = functools.partial(read_raw, info)  # carried as raw bytes, whatever their dtype
+        planned.append(PlannedTensor(name, info.dtype, info.shape, raw, size=info.end - info.begin))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -200,25 +235,42 @@ def save_hf(
         (tmp / "config.json").write_text(json.dumps(_export_config(cfg, src, planned), indent=2) + "\n")
         if src is not None:
             for f in src.iterdir():
-                if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
+                if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES):
                     shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _producer(rule: Rule, params: dict[tuple, jax.Array], g: int | None, code: str) -> Callable[[], bytes]:
-    def produce() -> bytes:
-        parts = []
-        for p in rule.ours:
-            a = params[tuple(p)]
-            parts.append(np.asarray(a[g] if g is not None else a))
-        arr = rule.to_hf(parts).astype(DTYPES[code])
-        return np.ascontiguousarray(arr).tobytes()
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; an existing `out` is moved aside first and deleted only
+    once the new one is in place, so no moment leaves neither (or a half-deleted one) at `out`."""
+    if not out.exists() and not out.is_symlink():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent)) / out.name
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        shutil.rmtree(old.parent, ignore_errors=True)
+        raise
+    shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def _producer(
+    rule: Rule, params: dict[tuple, jax.Array], g: int | None, code: str
+) -> Callable[[], np.ndarray]:
+    def produce() -> np.ndarray:
+        # One HF tensor: its layer's slice of each part (device-side slice, one transfer), written
+        # transposed and cast straight into the output buffer that `write_file` streams out.
+        out = np.empty(rule.hf_shape, DTYPES[code])
+        parts = [np.asarray(params[tuple(p)][g] if g is not None else params[tuple(p)]) for p in rule.ours]
+        rule.hf_into(parts, out)
+        return out
 
     return produce
 
@@ -259,7 +311,11 @@ def _write_shards(tmp: Path, planned: list[PlannedTensor], max_bytes: int, progr
 def _export_config(cfg: QwenConfig, src: Path | None, planned: list[PlannedTensor]) -> dict[str, Any]:
     text = cfg.to_hf()
     codes = {t.dtype for t in planned if not t.name.startswith(CARRIED_PREFIXES)}
-    torch_dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[sorted(codes)[0]] if len(codes) == 1 else None
+    torch_dtype = (
+        {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[sorted(codes)[0]]
+        if len(codes) == 1
+        else None
+    )
     if src is None:
         if torch_dtype:
             text["dtype"] = torch_dtype

@@ -9,6 +9,8 @@ Each `Rule` maps one HF tensor to one or more of our parameters with a transform
 - `conv`     HF's depthwise conv `[C, 1, K]` → per-part `[K, heads, head_dim]`.
 
 Every transform has an exact inverse (used by `save_hf`), so HF → jaxpi → HF is byte-exact.
+`to_ours` / `to_hf` return new arrays; the converter uses their streaming forms `part_into` /
+`hf_into`, which write into a preallocated buffer without tensor-sized temporaries.
 """
 
 from __future__ import annotations
@@ -63,6 +65,48 @@ class Rule:
             start += n
         return out
 
+    def part_rows(self, part: int) -> tuple[int, int] | None:
+        """The rows [start, stop) of the HF tensor that part `part` comes from (fused kinds only)."""
+        if self.kind not in ("split", "conv"):
+            return None
+        start = sum(int(np.prod(t[1:])) for t in self.part_shapes[:part])
+        return start, start + int(np.prod(self.part_shapes[part][1:]))
+
+    def part_into(self, a: np.ndarray, part: int, out: np.ndarray, row_offset: int = 0) -> None:
+        """Write part `part` of the HF array `a` into `out` (our per-layer shape, C-contiguous).
+
+        The streaming form of `to_ours`: one strided (and, across dtypes, casting) copy straight
+        into the destination, with no tensor-sized temporary. For the fused kinds `a` may hold
+        only some rows of the HF tensor, starting at `row_offset` (see `part_rows`).
+        """
+        s = self.part_shapes[part]
+        if self.kind == "copy":
+            out[...] = a
+        elif self.kind == "linear":
+            _view(out, (s[0], -1))[...] = a.T
+        elif self.kind == "linear_t":
+            _view(out, (-1, s[-1]))[...] = a.T
+        else:
+            rows = a if self.kind == "split" else a[:, 0, :]
+            start, stop = self.part_rows(part)
+            _view(out, (s[0], stop - start))[...] = rows[start - row_offset : stop - row_offset].T
+
+    def hf_into(self, parts: list[np.ndarray], out: np.ndarray) -> None:
+        """Write our per-part arrays into `out` (the HF shape, C-contiguous): the streaming `to_hf`."""
+        if self.kind == "copy":
+            out[...] = parts[0]
+        elif self.kind == "linear":
+            out.T[...] = parts[0].reshape(parts[0].shape[0], -1)
+        elif self.kind == "linear_t":
+            out.T[...] = parts[0].reshape(-1, parts[0].shape[-1])
+        else:
+            rows = out if self.kind == "split" else out[:, 0, :]
+            start = 0
+            for p in parts:
+                n = int(np.prod(p.shape[1:]))
+                rows[start : start + n].T[...] = p.reshape(p.shape[0], n)
+                start += n
+
     def to_hf(self, parts: list[np.ndarray]) -> np.ndarray:
         """Our per-part arrays → the HF array (exact inverse of `to_ours`)."""
         if self.kind == "copy":
@@ -74,6 +118,11 @@ class Rule:
             return parts[0].reshape(-1, parts[0].shape[-1]).T
         rows = np.concatenate([p.reshape(p.shape[0], -1).T for p in parts], axis=0)
         return rows if self.kind == "split" else rows[:, None, :]
+
+
+def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`a` reshaped without copying (raises rather than silently writing into a copy)."""
+    return np.reshape(a, shape, copy=False)
 
 
 def text_rules(cfg: QwenConfig, prefix: str) -> list[Rule]:
@@ -121,13 +170,21 @@ def _layer_rules(cfg: QwenConfig, i: int, layer_type: str, hf: str) -> list[Rule
     dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     a = "linear_attn."
     return rules + [
-        r(a + "in_proj_qkv.weight", "split", ["mixer.q_proj", "mixer.k_proj", "mixer.v_proj"],
-          [(d, nk, dk), (d, nk, dk), (d, nv, dv)]),
+        r(
+            a + "in_proj_qkv.weight",
+            "split",
+            ["mixer.q_proj", "mixer.k_proj", "mixer.v_proj"],
+            [(d, nk, dk), (d, nk, dk), (d, nv, dv)],
+        ),
         r(a + "in_proj_z.weight", "linear", ["mixer.z_proj"], [(d, nv, dv)]),
         r(a + "in_proj_b.weight", "linear", ["mixer.b_proj"], [(d, nv)]),
         r(a + "in_proj_a.weight", "linear", ["mixer.a_proj"], [(d, nv)]),
-        r(a + "conv1d.weight", "conv", ["mixer.conv_q", "mixer.conv_k", "mixer.conv_v"],
-          [(kw, nk, dk), (kw, nk, dk), (kw, nv, dv)]),
+        r(
+            a + "conv1d.weight",
+            "conv",
+            ["mixer.conv_q", "mixer.conv_k", "mixer.conv_v"],
+            [(kw, nk, dk), (kw, nk, dk), (kw, nv, dv)],
+        ),
         r(a + "dt_bias", "copy", ["mixer.dt_bias"], [(nv,)]),
         r(a + "A_log", "copy", ["mixer.A_log"], [(nv,)]),
         r(a + "norm.weight", "copy", ["mixer.norm"], [(dv,)]),

@@ -153,5 +153,7 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> ja
     return _rms_fwd_math(x, weight, eps)
 
 
-def gated_rms_norm_reference(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+def gated_rms_norm_reference(
+    x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6
+) -> jax.Array:
     return _gated_fwd_math(x, gate, weight, eps)

@@ -41,10 +41,10 @@ class MLP(nnx.Module):
 class GatedAttention(nnx.Module):
     """Full attention with a per-head output gate, q/k RMSNorm and partial RoPE.
 
-        [q | gate] = x·Wq            q, gate: [B, T, Hq, d]   (HF interleaves them per head)
-        q, k       = rope(norm(q)), rope(norm(x·Wk))          (rope on the first rotary_dim dims)
-        o          = attn(q, k, x·Wv) ⊙ sigmoid(gate)
-        y          = o·Wo
+    [q | gate] = x·Wq            q, gate: [B, T, Hq, d]   (HF interleaves them per head)
+    q, k       = rope(norm(q)), rope(norm(x·Wk))          (rope on the first rotary_dim dims)
+    o          = attn(q, k, x·Wv) ⊙ sigmoid(gate)
+    y          = o·Wo
     """
 
     def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -78,7 +78,13 @@ class GatedAttention(nnx.Module):
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
         if cache is None:
             o = attention(
-                q, k, v, q_positions=positions, kv_positions=positions, q_segments=segment_ids, kv_segments=segment_ids
+                q,
+                k,
+                v,
+                q_positions=positions,
+                kv_positions=positions,
+                q_segments=segment_ids,
+                kv_segments=segment_ids,
             )
             new_cache = None
         else:
@@ -91,7 +97,11 @@ class GatedAttention(nnx.Module):
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x.shape[0], s))
             q_slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
             o = attention(
-                q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=q_slots, kv_positions=slots,
+                q,
+                ck.astype(q.dtype),
+                cv.astype(q.dtype),
+                q_positions=q_slots,
+                kv_positions=slots,
                 kv_valid=slots < (lengths[:, None] + t),
             )
             new_cache = {"k": ck, "v": cv}
@@ -148,7 +158,11 @@ class GatedDeltaNet(nnx.Module):
                 axis=-1,
             )  # [B, T, 2*Kd + Vd], HF's channel order
             w = jnp.concatenate(
-                [self.conv_q[...].reshape(kw, kd), self.conv_k[...].reshape(kw, kd), self.conv_v[...].reshape(kw, vd)],
+                [
+                    self.conv_q[...].reshape(kw, kd),
+                    self.conv_k[...].reshape(kw, kd),
+                    self.conv_v[...].reshape(kw, vd),
+                ],
                 axis=-1,
             )  # [K, 2*Kd + Vd]
             conv_state = None if cache is None else cache["conv"]
@@ -169,13 +183,22 @@ class GatedDeltaNet(nnx.Module):
                 o = o[:, None]
             else:
                 o, new_state = chunk_gated_delta_rule(
-                    q, k, v, g, beta, chunk_size=cfg.gdn_chunk_size, initial_state=state, segment_ids=segment_ids
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    chunk_size=cfg.gdn_chunk_size,
+                    initial_state=state,
+                    segment_ids=segment_ids,
                 )
         with jax.named_scope("out"):
             z = jnp.einsum("btd,dhk->bthk", x, self.z_proj[...])
             o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)
             y = jnp.einsum("bthk,hkd->btd", o, self.out_proj[...])
-        new_cache = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
+        new_cache = (
+            None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
+        )
         return y, new_cache
 
 
@@ -211,6 +234,7 @@ def init_layer_cache(cfg: QwenConfig, layer_type: str, batch: int, max_len: int,
     return {
         "conv": jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, channels), dtype),
         "state": jnp.zeros(
-            (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
+            (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+            jnp.float32,
         ),
     }

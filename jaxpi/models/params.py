@@ -26,7 +26,9 @@ def constant(value: float) -> Init:
 
 def log_uniform(low: float, high: float) -> Init:
     """log(U(low, high)): DeltaNet's A_log, kept away from 0 so that log(A) stays finite."""
-    return lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high)).astype(dtype)
+    return lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high)).astype(
+        dtype
+    )
 
 
 def param(

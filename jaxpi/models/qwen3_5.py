@@ -88,11 +88,11 @@ class Qwen3_5ForCausalLM(nnx.Module):
             self.groups = make_groups(rngs)
         else:
             self.groups = None
-        self.tail = nnx.List(
-            [DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types[p * g :]]
-        )
+        self.tail = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types[p * g :]])
         self.norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), normal(), dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), normal(), dtype)
+        )
 
     # ---- forward ------------------------------------------------------------------------------
     def __call__(
@@ -190,7 +190,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 )
                 for t in cfg.layer_types[:p]
             )
-        cache["tail"] = tuple(init_layer_cache(cfg, t, batch, max_len, dtype) for t in cfg.layer_types[p * g :])
+        cache["tail"] = tuple(
+            init_layer_cache(cfg, t, batch, max_len, dtype) for t in cfg.layer_types[p * g :]
+        )
         return cache
 
 
