@@ -18,7 +18,7 @@ from jaxpi.kernels.attention import apply_partial_rope, attention
 from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
-from jaxpi.models.params import constant, log_uniform, normal, param
+from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 
 Cache = dict[str, jax.Array]
 
@@ -35,7 +35,8 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...])
         up = jnp.einsum("btd,df->btf", x, self.up_proj[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...])
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...])
 
 
 class GatedAttention(nnx.Module):
@@ -76,6 +77,9 @@ class GatedAttention(nnx.Module):
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
+            q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
+            k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+            v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cache is None:
             o = attention(
                 q,
@@ -170,6 +174,9 @@ class GatedDeltaNet(nnx.Module):
             q = qkv[..., :kd].reshape(b, t, nk, dk)
             k = qkv[..., kd : 2 * kd].reshape(b, t, nk, dk)
             v = qkv[..., 2 * kd :].reshape(b, t, nv, dv)
+            q = constrain(q, ("batch", "seq", "gdn_k_heads", "head_dim"))
+            k = constrain(k, ("batch", "seq", "gdn_k_heads", "head_dim"))
+            v = constrain(v, ("batch", "seq", "gdn_v_heads", "head_dim"))
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.b_proj[...]).astype(jnp.float32))
             a = jnp.einsum("btd,dh->bth", x, self.a_proj[...]).astype(jnp.float32)
@@ -216,12 +223,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, h: jax.Array, **kw: Any) -> tuple[jax.Array, Cache | None]:
-        eps = self.cfg.rms_norm_eps
+        eps, act = self.cfg.rms_norm_eps, ("batch", "seq", "embed")
         with jax.named_scope("mixer"):
             y, cache = self.mixer(rms_norm(h, self.input_norm[...], eps), **kw)
-            h = h + y
+            h = constrain(h + y, act)
         with jax.named_scope("mlp"):
-            h = h + self.mlp(rms_norm(h, self.post_norm[...], eps))
+            h = constrain(h + self.mlp(rms_norm(h, self.post_norm[...], eps)), act)
         return h, cache
 
 

@@ -22,7 +22,7 @@ from jaxpi.config import QwenConfig
 from jaxpi.kernels.attention import rope_tables
 from jaxpi.kernels.norms import rms_norm
 from jaxpi.models.layers import DecoderLayer, init_layer_cache
-from jaxpi.models.params import constant, normal, param
+from jaxpi.models.params import constant, constrain, normal, param
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -115,7 +115,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", hidden, w)
+        return constrain(jnp.einsum("btd,dv->btv", hidden, w), ("batch", "seq", "vocab"))
 
     def hidden_states(
         self,
@@ -142,7 +142,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             )
         rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
-        h = jnp.take(self.embed[...], input_ids, axis=0)
+        h = constrain(jnp.take(self.embed[...], input_ids, axis=0), ("batch", "seq", "embed"))
         new_cache: dict[str, Any] | None = None if cache is None else {"lengths": lengths + t}
         if self.groups is not None:
             h, group_cache = self._scan_groups(h, None if cache is None else cache["groups"], kw)
