@@ -23,6 +23,22 @@ from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 Cache = dict[str, jax.Array]
 
 
+def project(
+    mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1
+) -> jax.Array:
+    """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(x·A)·B` when an
+    adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv)."""
+    w = getattr(mod, proj)[...]
+    y = jnp.einsum(eq, x, w)
+    b = getattr(mod, f"lora_b_{proj}", None)
+    if b is None:
+        return y
+    a = getattr(mod, f"lora_a_{hf or proj}")[...]
+    # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
+    xa = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)  # [B, T, r]
+    return (y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)).astype(y.dtype)
+
+
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(x·Wg) ⊙ (x·Wu))`."""
 
@@ -33,10 +49,10 @@ class MLP(nnx.Module):
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), normal(), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...])
-        up = jnp.einsum("btd,df->btf", x, self.up_proj[...])
+        gate = project(self, "gate_proj", x, "btd,df->btf")
+        up = project(self, "up_proj", x, "btd,df->btf")
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...])
+        return project(self, "down_proj", hidden, "btf,fd->btd")
 
 
 class GatedAttention(nnx.Module):
@@ -70,10 +86,10 @@ class GatedAttention(nnx.Module):
     ) -> tuple[jax.Array, Cache | None]:
         cfg, hd = self.cfg, self.cfg.head_dim
         with jax.named_scope("qkv"):
-            qg = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...])  # [B, T, Hq, 2d]
+            qg = project(self, "q_proj", x, "btd,dhk->bthk")  # [B, T, Hq, 2d]
             q, gate = qg[..., :hd], qg[..., hd:]
-            k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...])
-            v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...])
+            k = project(self, "k_proj", x, "btd,dhk->bthk")
+            v = project(self, "v_proj", x, "btd,dhk->bthk")
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
@@ -110,7 +126,7 @@ class GatedAttention(nnx.Module):
             )
             new_cache = {"k": ck, "v": cv}
         o = o * jax.nn.sigmoid(gate)
-        return jnp.einsum("bthk,hkd->btd", o, self.o_proj[...]), new_cache
+        return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2), new_cache
 
 
 class GatedDeltaNet(nnx.Module):
@@ -155,9 +171,9 @@ class GatedDeltaNet(nnx.Module):
         with jax.named_scope("conv"):
             qkv = jnp.concatenate(
                 [
-                    jnp.einsum("btd,dhk->bthk", x, self.q_proj[...]).reshape(b, t, kd),
-                    jnp.einsum("btd,dhk->bthk", x, self.k_proj[...]).reshape(b, t, kd),
-                    jnp.einsum("btd,dhk->bthk", x, self.v_proj[...]).reshape(b, t, vd),
+                    project(self, "q_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, kd),
+                    project(self, "k_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, kd),
+                    project(self, "v_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, vd),
                 ],
                 axis=-1,
             )  # [B, T, 2*Kd + Vd], HF's channel order
@@ -178,8 +194,10 @@ class GatedDeltaNet(nnx.Module):
             k = constrain(k, ("batch", "seq", "gdn_k_heads", "head_dim"))
             v = constrain(v, ("batch", "seq", "gdn_v_heads", "head_dim"))
         with jax.named_scope("gates"):
-            beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.b_proj[...]).astype(jnp.float32))
-            a = jnp.einsum("btd,dh->bth", x, self.a_proj[...]).astype(jnp.float32)
+            beta = jax.nn.sigmoid(
+                project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b").astype(jnp.float32)
+            )
+            a = project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a").astype(jnp.float32)
             g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
                 a + self.dt_bias[...].astype(jnp.float32)
             )
@@ -200,9 +218,9 @@ class GatedDeltaNet(nnx.Module):
                     segment_ids=segment_ids,
                 )
         with jax.named_scope("out"):
-            z = jnp.einsum("btd,dhk->bthk", x, self.z_proj[...])
+            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z")
             o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)
-            y = jnp.einsum("bthk,hkd->btd", o, self.out_proj[...])
+            y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2)
         new_cache = (
             None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
         )
