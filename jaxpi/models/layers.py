@@ -23,20 +23,21 @@ from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 Cache = dict[str, jax.Array]
 
 
-def project(
-    mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1
-) -> jax.Array:
+def project(mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1) -> jax.Array:
     """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(x·A)·B` when an
-    adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv)."""
-    w = getattr(mod, proj)[...]
-    y = jnp.einsum(eq, x, w)
+    adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv).
+
+    Products accumulate in float32 and round once to the activation dtype: that is what TPU/GPU
+    matmul units do for bf16, and it keeps XLA:CPU from materialising float32 copies of bf16 weights.
+    """
+    y = jnp.einsum(eq, x, getattr(mod, proj)[...], preferred_element_type=jnp.float32)
     b = getattr(mod, f"lora_b_{proj}", None)
-    if b is None:
-        return y
-    a = getattr(mod, f"lora_a_{hf or proj}")[...]
-    # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
-    xa = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)  # [B, T, r]
-    return (y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)).astype(y.dtype)
+    if b is not None:
+        a = getattr(mod, f"lora_a_{hf or proj}")[...]
+        # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
+        xa = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)  # [B, T, r]
+        y = y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)
+    return y.astype(x.dtype)
 
 
 class MLP(nnx.Module):
