@@ -120,6 +120,107 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "sharding"
+
+
+def _load_preset(name: str) -> dict:
+    import yaml
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"no sharding preset {name!r}; known: {known}")
+    return yaml.safe_load(path.read_text())
+
+
+def _plan_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill --mesh / --device-memory / --dcn / --strategy from --preset where not given."""
+    if args.preset:
+        p = _load_preset(args.preset)
+        args.mesh = args.mesh or p["mesh"]
+        args.dcn = args.dcn or p.get("dcn")
+        if args.device_memory is None and p.get("device_memory"):
+            args.device_memory = _size(str(p["device_memory"]))
+        if not args.strategy and not args.compare:
+            args.strategy = p.get("strategy")
+    if not args.mesh:
+        raise ValueError("give --mesh (e.g. fsdp=64) or --preset")
+    return args
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from sharding.planner import PlanRequest, format_table, plan
+
+    args = _plan_args(args)
+    names = args.compare.split(",") if args.compare else [args.strategy or "fsdp"]
+    results = []
+    for name in names:
+        req = PlanRequest(
+            model=args.model,
+            mesh=args.mesh,
+            strategy=name.strip(),
+            seq_len=args.seq_len,
+            batch_per_device=args.batch_per_device,
+            lora_rank=args.lora_rank,
+            device_memory=args.device_memory,
+            dtype=args.dtype,
+            remat=args.remat,
+            dcn=args.dcn,
+        )
+        results.append(plan(req, progress=not args.json))
+    if args.json:
+        print(json.dumps([r.to_json() for r in results] if args.compare else results[0].to_json(), indent=2))
+    else:
+        print(format_table(results))
+    return 0 if all(r.fits is not False for r in results) else 1
+
+
+def _prepare_plan_process(argv: Sequence[str]) -> None:
+    """The planner compiles for N virtual CPU devices: XLA must hear so before its backend starts
+    (importing jax is fine; the first `jax.devices()` is what reads XLA_FLAGS)."""
+    if _jax_backend_started():
+        return
+    mesh = None
+    for i, a in enumerate(argv):
+        if a == "--mesh" and i + 1 < len(argv):
+            mesh = argv[i + 1]
+        elif a.startswith("--mesh="):
+            mesh = a.split("=", 1)[1]
+        elif a == "--preset" and i + 1 < len(argv) and mesh is None:
+            try:
+                mesh = _load_preset(argv[i + 1])["mesh"]
+            except (ValueError, OSError, KeyError):
+                return  # argparse reports it
+    if not mesh:
+        return
+    try:
+        n = 1
+        for part in mesh.split(","):
+            n *= int(part.split("=")[1])
+    except (IndexError, ValueError):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _plan_flags(n)).strip()
+
+
+def _jax_backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except (ImportError, AttributeError):  # pragma: no cover - private API moved
+        return True
+
+
+def _plan_flags(n: int) -> str:
+    return (
+        f"--xla_force_host_platform_device_count={n} "
+        "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpi", description="Qwen3.5 in JAX: HF weights in and out, parity with transformers."
@@ -177,6 +278,32 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     tiny.set_defaults(fn=cmd_tiny)
 
+    pl = sub.add_parser(
+        "plan",
+        help="memory per device and collectives of a sharded training step, compiled for N virtual devices",
+        description="Build the training step with abstract arrays only, compile it for the mesh (as N virtual "
+        "CPU devices), and report per device: parameter, trainable and optimizer bytes, temporaries, peak, and "
+        "the collectives per step, each next to an analytic estimate. Nothing is allocated.",
+    )
+    pl.add_argument("--model", default="qwen3_5_27b", help="model preset (qwen3_5_27b, tiny)")
+    pl.add_argument("--mesh", default=None, help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2")
+    pl.add_argument("--dcn", default=None, help="the part of each axis across slices/hosts, e.g. data=2")
+    pl.add_argument("--preset", default=None, help="configs/sharding/NAME.yaml: mesh, dcn, device memory")
+    pl.add_argument("--strategy", default=None, help="dp, fsdp, tp, fsdp_tp (default fsdp)")
+    pl.add_argument("--compare", default=None, help="comma-separated strategies, one column each")
+    pl.add_argument("--seq-len", type=int, default=8192)
+    pl.add_argument("--batch-per-device", type=int, default=1)
+    pl.add_argument(
+        "--lora-rank", type=int, default=None, help="LoRA on all linear layers (default: full FT)"
+    )
+    pl.add_argument(
+        "--device-memory", type=_size, default=None, help="e.g. 95GiB; exit 1 when it does not fit"
+    )
+    pl.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    pl.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default="full")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
+
     demo = sub.add_parser("demo", help="tiny checkpoint -> jaxpi -> parity table (what `make demo` runs)")
     demo.add_argument("--out", default=None, help="where to keep the tiny checkpoint (default: a temp dir)")
     demo.add_argument("--seq-len", type=int, default=48)
@@ -187,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        _prepare_plan_process(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -121,7 +121,7 @@ def add_lora(
         raise NotImplementedError("LoRA dropout is not implemented yet; use dropout=0.0")
     key = jax.random.key(0) if key is None else key
     cfg = model.cfg
-    p, g = layer_plan(cfg)
+    _, g = layer_plan(cfg)
     blocks = [(blk, g) for blk in (model.groups.blocks if model.groups is not None else [])]
     blocks += [(blk, None) for blk in model.tail]
     for i, (blk, groups) in enumerate(blocks):

@@ -64,5 +64,5 @@ def attention(
             mask &= kv_valid[:, None, :]
         s = jnp.where(mask[:, None, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgtu,bukd->btkgd", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, hq, d).astype(q.dtype)
+    o = jnp.einsum("bkgtu,bukd->btkgd", p, v)
+    return o.reshape(b, t, hq, d)

@@ -23,21 +23,24 @@ from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 Cache = dict[str, jax.Array]
 
 
-def project(mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1) -> jax.Array:
+def project(
+    mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1
+) -> jax.Array:
     """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(x·A)·B` when an
     adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv).
 
-    Products accumulate in float32 and round once to the activation dtype: that is what TPU/GPU
-    matmul units do for bf16, and it keeps XLA:CPU from materialising float32 copies of bf16 weights.
+    The product stays in the activation dtype (TPU/GPU accumulate bf16 products in float32 inside
+    the matmul): asking for a float32 result would make the backward cotangent float32 and promote
+    every bf16 weight to a float32 copy in the gradient matmuls.
     """
-    y = jnp.einsum(eq, x, getattr(mod, proj)[...], preferred_element_type=jnp.float32)
+    y = jnp.einsum(eq, x, getattr(mod, proj)[...])
     b = getattr(mod, f"lora_b_{proj}", None)
     if b is not None:
         a = getattr(mod, f"lora_a_{hf or proj}")[...]
         # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
         xa = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)  # [B, T, r]
-        y = y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)
-    return y.astype(x.dtype)
+        y = (y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)).astype(x.dtype)
+    return y
 
 
 class MLP(nnx.Module):

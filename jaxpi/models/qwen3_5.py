@@ -115,9 +115,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        # float32 logits: the softmax over 248k classes is where bf16 would lose the loss.
-        logits = jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        # Logits in the activation dtype (as transformers); the loss upcasts to float32.
+        return constrain(jnp.einsum("btd,dv->btv", hidden, w), ("batch", "seq", "vocab"))
 
     def hidden_states(
         self,
