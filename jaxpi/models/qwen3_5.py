@@ -151,17 +151,24 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 new_cache["groups"] = group_cache
         tail_cache = []
         for j, block in enumerate(self.tail):
-            fn = self._remat(lambda blk, x, c: blk(x, cache=c, **kw))
-            h, c = fn(block, h, None if cache is None else cache["tail"][j])
+            h, c = self._run_block(block, h, None if cache is None else cache["tail"][j], kw)
             tail_cache.append(c)
         if new_cache is not None:
             new_cache["tail"] = tuple(tail_cache)
         return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
 
-    def _remat(self, fn):
-        if self.cfg.remat == "none":
-            return fn
-        return nnx.remat(fn, policy=REMAT[self.cfg.remat])
+    def _run_block(self, block: DecoderLayer, h: jax.Array, cache: dict | None, kw: dict) -> tuple:
+        # Functional (split/merge) rather than nnx.remat: the block's variables may come from an
+        # outer trace (frozen weights closed over by a LoRA gradient), which nnx.remat would try to
+        # write back into.
+        graphdef, state = nnx.split(block)
+
+        def run(state, h, cache):
+            return nnx.merge(graphdef, state)(h, cache=cache, **kw)
+
+        if self.cfg.remat != "none":
+            run = jax.checkpoint(run, policy=REMAT[self.cfg.remat])
+        return run(state, h, cache)
 
     def _scan_groups(self, h: jax.Array, caches: tuple | None, kw: dict) -> tuple[jax.Array, tuple | None]:
         graphdef, state = nnx.split(self.groups)
