@@ -1,0 +1,56 @@
+"""Meshes and sharding strategies for jaxpi (the model only names logical axes; this package
+maps them onto mesh axes). See docs/sharding.md."""
+
+from sharding.mesh import (
+    abstract_mesh,
+    device_grid,
+    format_mesh_spec,
+    initialize_distributed,
+    make_mesh,
+    parse_mesh_spec,
+)
+from sharding.strategies import (
+    DP,
+    FSDP,
+    FSDP_TP,
+    STRATEGIES,
+    TP,
+    Fallback,
+    ShardingCollisionError,
+    Strategy,
+    activation_resolver,
+    batch_sharding,
+    get_strategy,
+    loader_shardings,
+    opt_state_shardings,
+    param_shardings,
+    register_strategy,
+    spec_for,
+    with_activation_constraints,
+)
+
+__all__ = [
+    "DP",
+    "FSDP",
+    "FSDP_TP",
+    "STRATEGIES",
+    "TP",
+    "Fallback",
+    "ShardingCollisionError",
+    "Strategy",
+    "abstract_mesh",
+    "activation_resolver",
+    "batch_sharding",
+    "device_grid",
+    "format_mesh_spec",
+    "get_strategy",
+    "initialize_distributed",
+    "loader_shardings",
+    "make_mesh",
+    "opt_state_shardings",
+    "param_shardings",
+    "parse_mesh_spec",
+    "register_strategy",
+    "spec_for",
+    "with_activation_constraints",
+]
