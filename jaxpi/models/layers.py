@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpi.config import FULL, QwenConfig
@@ -173,30 +174,23 @@ class GatedDeltaNet(nnx.Module):
         dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         kd, vd = nk * dk, nv * dv
         with jax.named_scope("conv"):
-            qkv = jnp.concatenate(
-                [
-                    project(self, "q_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, kd),
-                    project(self, "k_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, kd),
-                    project(self, "v_proj", x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, vd),
-                ],
-                axis=-1,
-            )  # [B, T, 2*Kd + Vd], HF's channel order
-            w = jnp.concatenate(
-                [
-                    self.conv_q[...].reshape(kw, kd),
-                    self.conv_k[...].reshape(kw, kd),
-                    self.conv_v[...].reshape(kw, vd),
-                ],
-                axis=-1,
-            )  # [K, 2*Kd + Vd]
-            conv_state = None if cache is None else cache["conv"]
-            qkv, new_conv = causal_conv1d(qkv, w, segment_ids=segment_ids, state=conv_state)
-            q = qkv[..., :kd].reshape(b, t, nk, dk)
-            k = qkv[..., kd : 2 * kd].reshape(b, t, nk, dk)
-            v = qkv[..., 2 * kd :].reshape(b, t, nv, dv)
-            q = constrain(q, ("batch", "seq", "gdn_k_heads", "head_dim"))
-            k = constrain(k, ("batch", "seq", "gdn_k_heads", "head_dim"))
-            v = constrain(v, ("batch", "seq", "gdn_v_heads", "head_dim"))
+            # The depthwise conv is per channel, so q, k and v are convolved apart: each stays split
+            # by its own heads under tensor parallelism (a concatenation would be resharded). The
+            # decode cache keeps HF's channel order [q | k | v] of in_proj_qkv.
+            parts = [("q_proj", "conv_q", nk, dk), ("k_proj", "conv_k", nk, dk), ("v_proj", "conv_v", nv, dv)]
+            bounds = np.cumsum([0, kd, kd, vd])
+            outs, states = [], []
+            for j, (proj, conv, heads, dim) in enumerate(parts):
+                y = project(self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, heads * dim)
+                w = getattr(self, conv)[...].reshape(kw, heads * dim)  # [K, channels]
+                st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
+                y, st = causal_conv1d(y, w, segment_ids=segment_ids, state=st)
+                outs.append(y.reshape(b, t, heads, dim))
+                states.append(st)
+            new_conv = jnp.concatenate(states, axis=-1)
+            q = constrain(outs[0], ("batch", "seq", "gdn_k_heads", "head_dim"))
+            k = constrain(outs[1], ("batch", "seq", "gdn_k_heads", "head_dim"))
+            v = constrain(outs[2], ("batch", "seq", "gdn_v_heads", "head_dim"))
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(
                 project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b").astype(jnp.float32)
