@@ -204,12 +204,13 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     params_local = _local_bytes(state, p_shard)
     train_local = _local_bytes(train_abstract, train_shard)
     opt_local = _local_bytes(opt_abstract, o_shard)
+    setup = _Setup(cfg, req, strategy, sizes, state, p_shard)
     analytic = {
         "params": params_local,
         "trainable": train_local,
         "optimizer": opt_local,
         "argument": params_local + opt_local + _local_bytes(batch, {"input_ids": bs}),
-        "temp": _activation_estimate(cfg, req, strategy, sizes, state, p_shard, train_local),
+        "temp": _activation_estimate(setup, train_local),
     }
     coll = count_collectives(compiled.as_text())
     fits = None if req.device_memory is None else peak <= req.device_memory
@@ -220,9 +221,7 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
         compiled=compiled_mem,
         analytic=analytic,
         collectives=coll.to_json(),
-        collectives_analytic=_collectives_estimate(
-            cfg, req, strategy, sizes, state, p_shard, train_abstract, train_shard
-        ).to_json(),
+        collectives_analytic=_collectives_estimate(setup, train_abstract, train_shard).to_json(),
         peak_bytes=peak,
         fits=fits,
         fallbacks=sorted({str(f) for f in fallbacks}),
@@ -264,15 +263,20 @@ def _group_param_bytes(state: nnx.State, shardings: nnx.State) -> tuple[int, int
     return full, local
 
 
-def _activation_estimate(
-    cfg: QwenConfig,
-    req: PlanRequest,
-    strategy: Strategy,
-    sizes: dict[str, int],
-    state: Any,
-    p_shard: Any,
-    train_local: int,
-) -> int:
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What both analytic estimates read: the request, its model and strategy, the mesh sizes and
+    the abstract parameter state with its shardings."""
+
+    cfg: QwenConfig
+    req: PlanRequest
+    strategy: Strategy
+    sizes: dict[str, int]
+    state: Any
+    p_shard: Any
+
+
+def _activation_estimate(setup: _Setup, train_local: int) -> int:
     """Temporary bytes per device for one step with remat per layer group.
 
     live = the residual stream saved at every group boundary
@@ -281,6 +285,14 @@ def _activation_estimate(
          + the gradients of the trainable weights
          + one group's parameters gathered (when the strategy shards them)
     """
+    cfg, req, strategy, sizes, state, p_shard = (
+        setup.cfg,
+        setup.req,
+        setup.strategy,
+        setup.sizes,
+        setup.state,
+        setup.p_shard,
+    )
     b = req.batch_per_device * _degree(("batch",), strategy, sizes)
     t, d, act = req.seq_len, cfg.hidden_size, jnp.dtype(req.dtype).itemsize
     loc = lambda axes, shape: _local(strategy, sizes, axes, shape)  # noqa: E731
@@ -335,16 +347,7 @@ def _activation_estimate(
     return int(saved + group_live + logits + train_local + gathered)
 
 
-def _collectives_estimate(
-    cfg: QwenConfig,
-    req: PlanRequest,
-    strategy: Strategy,
-    sizes: dict[str, int],
-    state: Any,
-    p_shard: Any,
-    train: Any,
-    train_shard: Any,
-) -> Collectives:
+def _collectives_estimate(setup: _Setup, train: Any, train_shard: Any) -> Collectives:
     """What the strategy implies per step (result bytes per device, as `count_collectives`).
 
     - weights split over a batch axis (FSDP) are all-gathered once in the forward and once more
@@ -354,6 +357,14 @@ def _collectives_estimate(
     - tensor parallelism all-reduces the residual-stream contribution of every mixer and MLP:
       forward, remat recompute and backward (for the input gradient).
     """
+    cfg, req, strategy, sizes, state, p_shard = (
+        setup.cfg,
+        setup.req,
+        setup.strategy,
+        setup.sizes,
+        setup.state,
+        setup.p_shard,
+    )
     out = Collectives()
     groups, n_layers = layer_plan(cfg)[1], len(cfg.layer_types)
     batch_axes = {a for a in _axes_of(strategy.activations.get("batch")) if sizes.get(a, 1) > 1}
