@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxpi.data import cli as data_cli
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -310,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=cmd_demo)
+    from jaxpi.train import sft as sft_cli
+
+    sft_cli.add_subparser(sub)
+    data_cli.add_subparser(sub)
     return p
 
 

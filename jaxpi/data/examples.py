@@ -1,0 +1,54 @@
+"""Sessions on disk -> admitted, rendered training examples, plus the report and token statistics."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from jaxpi.data.gates import GateConfig, GateReport, admit
+from jaxpi.data.render import Example, RenderConfig, RenderError, load_tokenizer, render_session
+from jaxpi.data.sessions import read_sessions
+
+
+def build_examples(
+    paths: Iterable[str | Path],
+    render_cfg: RenderConfig,
+    gate_cfg: GateConfig | None = None,
+    *,
+    strict: bool = False,
+) -> tuple[list[Example], GateReport]:
+    """Read, gate, render; the token limit is applied after rendering (any example too long
+    excludes its whole session, so a session is never trained on in part)."""
+    gate_cfg = gate_cfg or GateConfig()
+    sessions, rejections = read_sessions(paths, strict=strict)
+    admitted, report = admit(sessions, gate_cfg, rejections)
+    tok = load_tokenizer(render_cfg.tokenizer_dir)
+    examples: list[Example] = []
+    for s in admitted:
+        try:
+            rendered = render_session(s, tok, render_cfg)
+        except RenderError as e:
+            report.exclude(s.meta.source, {"render_error": str(e)})
+            report.admitted -= 1
+            continue
+        longest = max((len(e) for e in rendered), default=0)
+        if gate_cfg.max_tokens is not None and longest > gate_cfg.max_tokens:
+            report.exclude(s.meta.source, {"too_many_tokens": f"{longest} tokens > {gate_cfg.max_tokens}"})
+            report.admitted -= 1
+            continue
+        examples += rendered
+    return examples, report
+
+
+def token_stats(examples: Iterable[Example]) -> dict:
+    """Totals and per-effort counts: examples, tokens, supervised tokens, reasoning tokens."""
+    keys = ("examples", "tokens", "supervised_tokens", "reasoning_tokens")
+    per: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(keys, 0))
+    for e in examples:
+        for bucket in (per["all"], per[f"effort={e.effort}"]):
+            bucket["examples"] += 1
+            bucket["tokens"] += len(e)
+            bucket["supervised_tokens"] += e.assistant_tokens
+            bucket["reasoning_tokens"] += e.reasoning_tokens
+    return {k: per[k] for k in sorted(per, key=lambda k: (k != "all", k))}
