@@ -69,16 +69,21 @@ def make_checkpoint(
     kind: str = "causal",
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: bool = False,
 ) -> Path:
     """Write a random checkpoint with `save_pretrained`.
 
     kind "causal": `Qwen3_5ForCausalLM`. kind "conditional": `Qwen3_5ForConditionalGeneration`
     with a tiny vision tower, plus MTP-head tensors (`mtp.*`, which `transformers` does not model
     but real checkpoints carry) appended to the weights, so converters must carry both through.
+    tokenizer: also copy the bundled tiny tokenizer (512 ids, with its chat template) into the
+    directory, as a released checkpoint ships its own; needs `cfg.vocab_size >= 512`.
     """
     import torch
 
     out = Path(out_dir)
+    if tokenizer:
+        _copy_tiny_tokenizer(out, cfg)
     if kind == "causal":
         model = make_causal_lm(cfg, seed, dtype)
         model.save_pretrained(out, safe_serialization=True)
@@ -108,6 +113,18 @@ def make_checkpoint(
     model.save_pretrained(out, safe_serialization=True)
     _append_mtp(out, cfg, seed)
     return out
+
+
+def _copy_tiny_tokenizer(out: Path, cfg: QwenConfig) -> None:
+    import shutil
+
+    from jaxpi.data.demo import ASSETS, VOCAB_SIZE
+
+    if cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"the tiny tokenizer has {VOCAB_SIZE} ids; vocab_size {cfg.vocab_size} is too small")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted((ASSETS / "tiny_tokenizer").iterdir()):
+        shutil.copyfile(f, out / f.name)
 
 
 def _append_mtp(out: Path, cfg: QwenConfig, seed: int) -> None:

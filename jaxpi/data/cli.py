@@ -54,7 +54,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     render = RenderConfig(tokenizer_dir=args.tokenizer or TINY_TOKENIZER)
     examples, report = build_examples(args.paths, render, gate, strict=args.strict)
     stats = token_stats(examples)
-    longest = max((len(e) for e in examples), default=0)
+    longest = max((e.num_tokens for e in examples), default=0)
     if args.json:
         print(json.dumps({"gates": report.to_dict(), "tokens": stats, "longest_example": longest}, indent=2))
     else:

@@ -165,7 +165,7 @@ def _code(t: _Task, buggy: bool) -> str:
     )
 
 
-def _fix_bug(w: _Writer, t: _Task, *, branch: bool = False) -> None:
+def _fix_bug(w: _Writer, t: _Task, *, branch: bool = False, summary: bool = True) -> None:
     """Failing test -> read -> edit -> tests pass -> short summary."""
     path, test = f"src/{t.mod}.py", f"tests/test_{t.mod}.py"
     user = w.user(f"The test for {t.fn} in {path} fails. Please fix it.")
@@ -177,7 +177,10 @@ def _fix_bug(w: _Writer, t: _Task, *, branch: bool = False) -> None:
         w.assistant(_think(w.rng, t.effort, think[2:]) + [cx])
         w.result(cx, _code(t, buggy=True))
         w.parent = user
-        w.entry("branch_summary", fromId=w.lines[-1]["id"], summary=f"Read {path} before running the tests.")
+        if summary:
+            w.entry(
+                "branch_summary", fromId=w.lines[-1]["id"], summary=f"Read {path} before running the tests."
+            )
     w.assistant(_think(w.rng, t.effort, think) + [c1])
     w.result(
         c1,
@@ -209,7 +212,7 @@ def _fix_bug(w: _Writer, t: _Task, *, branch: bool = False) -> None:
     )
 
 
-def _add_function(w: _Writer, t: _Task, **_: Any) -> None:
+def _add_function(w: _Writer, t: _Task) -> None:
     """Read a module, add a helper with edit, run a quick check."""
     path, new = f"src/{t.mod}.py", f"count_{t.noun}"
     w.user(f"Add a function {new}(items) to {path} that returns how many {t.noun} are not empty.")
@@ -236,7 +239,7 @@ def _add_function(w: _Writer, t: _Task, **_: Any) -> None:
     )
 
 
-def _write_script(w: _Writer, t: _Task, **_: Any) -> None:
+def _write_script(w: _Writer, t: _Task) -> None:
     """Write a new script, run it, report."""
     path = f"scripts/show_{t.noun}.py"
     w.user(f"Write a small script {path} that prints each of the {t.noun} in data.txt, one per line, sorted.")
@@ -266,7 +269,7 @@ def _write_script(w: _Writer, t: _Task, **_: Any) -> None:
     )
 
 
-def _explain(w: _Writer, t: _Task, **_: Any) -> None:
+def _explain(w: _Writer, t: _Task) -> None:
     """Read-only question: grep, read, answer."""
     path = f"src/{t.mod}.py"
     w.user(f"What does {t.fn} in {path} do? Do not change anything.")
@@ -321,8 +324,10 @@ def _session(rng: random.Random, i: int, variant: str) -> tuple[str, str, dict[s
     w.header(f"/home/dev/{mod}-project")
     w.entry("model_change", provider="vllm", modelId="qwen3.5-27b")
     w.entry("thinking_level_change", thinkingLevel=effort)
-    task = _TASKS[i % len(_TASKS)]
-    task(w, t, **({"branch": True} if variant == "branch" else {}))
+    if variant == "branch":  # an abandoned attempt, with a branch summary in all but the last
+        _fix_bug(w, t, branch=True, summary=i < 20)
+    else:
+        _TASKS[i % len(_TASKS)](w, t)
     reasons: list[str] = []
     verified: bool | None = True
     sidecar = None

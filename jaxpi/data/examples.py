@@ -32,7 +32,7 @@ def build_examples(
             report.exclude(s.meta.source, {"render_error": str(e)})
             report.admitted -= 1
             continue
-        longest = max((len(e) for e in rendered), default=0)
+        longest = max((e.num_tokens for e in rendered), default=0)
         if gate_cfg.max_tokens is not None and longest > gate_cfg.max_tokens:
             report.exclude(s.meta.source, {"too_many_tokens": f"{longest} tokens > {gate_cfg.max_tokens}"})
             report.admitted -= 1
@@ -48,7 +48,7 @@ def token_stats(examples: Iterable[Example]) -> dict:
     for e in examples:
         for bucket in (per["all"], per[f"effort={e.effort}"]):
             bucket["examples"] += 1
-            bucket["tokens"] += len(e)
+            bucket["tokens"] += e.num_tokens
             bucket["supervised_tokens"] += e.assistant_tokens
             bucket["reasoning_tokens"] += e.reasoning_tokens
     return {k: per[k] for k in sorted(per, key=lambda k: (k != "all", k))}

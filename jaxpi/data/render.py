@@ -21,7 +21,7 @@ sequence the model saw, and each supervised turn keeps its reasoning.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -88,9 +88,12 @@ class RenderConfig:
             raise ValueError(f"default_effort {self.default_effort!r} is not in efforts {sorted(styles)}")
 
 
-@dataclass(frozen=True)
-class Example:
-    """One training sequence. `input_ids`/`loss_mask` are int32 [n]; mask 1 = assistant-produced."""
+@dataclass(frozen=True, eq=False)
+class Example(Mapping):
+    """One training sequence; as a mapping it is {"input_ids", "loss_mask"} (what the pipeline reads).
+
+    `input_ids`/`loss_mask` are int32 [n]; mask 1 = a token the assistant produced.
+    """
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -101,15 +104,19 @@ class Example:
     turns: int  # supervised assistant turns
     spans: tuple[tuple[int, int], ...] = ()  # [start, end) token range of each supervised turn
 
-    def keys(self) -> tuple[str, ...]:
-        return ("input_ids", "loss_mask")
-
     def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self.keys():
+        if key not in ("input_ids", "loss_mask"):
             raise KeyError(key)
         return getattr(self, key)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(("input_ids", "loss_mask"))
+
     def __len__(self) -> int:
+        return 2
+
+    @property
+    def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
