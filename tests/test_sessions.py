@@ -167,3 +167,44 @@ def test_branch_without_summary():
     assert not any(BRANCH_PREFIX in (m["content"] or "") for m in s.messages)
     calls = [c["function"]["arguments"] for m in s.messages for c in m.get("tool_calls", [])]
     assert all(a.get("limit") != 40 for a in calls) and s.messages[1]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("stop", ["error", "aborted", "length"])
+def test_unfinished_assistant_turns_are_rejected(tmp_path, stop):
+    bad = {**_asst("partial"), "stopReason": stop}
+    p = _write(
+        tmp_path,
+        "s.jsonl",
+        [HEADER, _msg("u1", None, {"role": "user", "content": "hi"}), _msg("a1", "u1", bad)],
+    )
+    sessions, rej = read_sessions([p])
+    assert sessions == [] and (rej[0].source, rej[0].reason) == (f"{p}:3", "assistant_error")
+
+
+def test_user_bash_execution_becomes_user_text(tmp_path):
+    run = {
+        "role": "bashExecution",
+        "command": "make",
+        "output": "boom",
+        "exitCode": 2,
+        "cancelled": False,
+        "truncated": False,
+    }
+    hidden = {**run, "command": "secret", "excludeFromContext": True}
+    entries = [
+        HEADER,
+        _msg(
+            "u1",
+            None,
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ),
+        _msg("b1", "u1", run),
+        _msg("b2", "b1", hidden),
+        _msg("a1", "b2", _asst("ok")),
+    ]
+    s = _one(_write(tmp_path, "s.jsonl", entries))
+    assert [m["content"] for m in s.messages] == [
+        "a\nb",
+        "Ran `make`\n```\nboom\n```\n\nCommand exited with code 2",
+        "ok",
+    ]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ COMPACTION_SUFFIX = "\n</summary>"
 BRANCH_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n<summary>\n"
 BRANCH_SUFFIX = "</summary>"
 ATTEMPT_TYPE = "jaxpi.attempt"
-_BAD_STOPS = ("error", "aborted")
+# a turn cut by the length limit never produced its end-of-turn token; errors and aborts are not behaviour
+_BAD_STOPS = ("error", "aborted", "length")
 
 
 class DataError(ValueError):
@@ -87,12 +88,6 @@ class _RecordError(Exception):
         self.line, self.reason, self.detail = line, reason, detail
 
 
-@dataclass
-class _Pending:
-    sessions: list[Session] = field(default_factory=list)
-    rejections: list[Rejection] = field(default_factory=list)
-
-
 def find_jsonl(paths: Iterable[str | Path]) -> list[Path]:
     """Files as given, directories expanded to their `*.jsonl` files (recursive, sorted)."""
     out: list[Path] = []
@@ -110,16 +105,17 @@ def read_sessions(
     paths: Iterable[str | Path], *, strict: bool = False
 ) -> tuple[list[Session], list[Rejection]]:
     """Read every session under `paths`; bad records become Rejections (or DataError if `strict`)."""
-    acc = _Pending()
+    sessions: list[Session] = []
+    rejections: list[Rejection] = []
     for path in find_jsonl(paths):
         for item in _read_file(path):
             if isinstance(item, Session):
-                acc.sessions.append(item)
+                sessions.append(item)
             elif strict:
                 raise DataError(f"{item.source}: {item.reason}: {item.detail}")
             else:
-                acc.rejections.append(item)
-    return acc.sessions, acc.rejections
+                rejections.append(item)
+    return sessions, rejections
 
 
 def _read_file(path: Path) -> Iterator[Session | Rejection]:
@@ -274,6 +270,12 @@ def _pi_entry_messages(line: int, e: dict) -> list[dict]:
         text = f"Ran `{m.get('command', '')}`\n" + (
             f"```\n{m['output']}\n```" if m.get("output") else "(no output)"
         )
+        if m.get("cancelled"):
+            text += "\n\n(command cancelled)"
+        elif m.get("exitCode") not in (None, 0):
+            text += f"\n\nCommand exited with code {m['exitCode']}"
+        if m.get("truncated") and m.get("fullOutputPath"):
+            text += f"\n\n[Output truncated. Full output: {m['fullOutputPath']}]"
         return [{"role": "user", "content": text}]
     if role in ("custom", "branchSummary", "compactionSummary"):
         return [{"role": "user", "content": _pi_text(m.get("content", m.get("summary", "")), line)}]
