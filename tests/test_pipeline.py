@@ -3,6 +3,7 @@ agreement of the packed-row contract with the model and the loss."""
 
 import json
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +114,8 @@ def test_batch_size_must_divide_across_hosts():
         make_train_iterator(
             make_examples(4), PipelineConfig(seq_len=T, batch_size=6), process_index=0, process_count=4
         )
+    with pytest.raises(ValueError, match="no examples"):
+        make_train_iterator([], PipelineConfig(seq_len=T, batch_size=4), **ONE)
     with pytest.raises(ValueError, match="process_index"):
         make_train_iterator(
             make_examples(4), PipelineConfig(seq_len=T, batch_size=4), process_index=4, process_count=4
@@ -202,9 +205,10 @@ def test_hosts_split_the_global_batch(count):
     examples = make_examples(70, seed=7)
     cfg = PipelineConfig(seq_len=T, batch_size=8, seed=9)
     whole = collect(make_train_iterator(examples, cfg, **ONE))
+    # Hosts may also pass a grain MapDataset (e.g. over an array-record source).
+    source = grain.MapDataset.source(examples)
     hosts = [
-        collect(make_train_iterator(examples, cfg, process_index=p, process_count=count))
-        for p in range(count)
+        collect(make_train_iterator(source, cfg, process_index=p, process_count=count)) for p in range(count)
     ]
     assert all(len(h) == len(whole) for h in hosts)
     for i, batch in enumerate(whole):
@@ -270,8 +274,6 @@ def test_state_from_another_pipeline_is_refused():
 
 
 def test_grain_orbax_checkpoint_handler_round_trip(tmp_path):
-    import grain
-
     examples = make_examples(30, seed=15)
     cfg = PipelineConfig(seq_len=T, batch_size=2, seed=4, num_epochs=2)
     full = collect(make_train_iterator(examples, cfg, **ONE))

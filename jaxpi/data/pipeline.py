@@ -238,7 +238,8 @@ def _stream_seeds(seed: int) -> tuple[int, int]:
 
 
 def fingerprint(cfg: PipelineConfig, num_examples: int) -> dict[str, Any]:
-    """The config fields that shape the global stream (not the host split)."""
+    """The config fields that shape the global stream (not the host split). The examples are
+    represented by their count only: reading them all to hash their content would cost a pass."""
     keep = ("seq_len", "batch_size", "seed", "shuffle", "num_epochs", "overlong", "packing")
     fp = {k: getattr(cfg, k) for k in keep}
     fp |= {"pack_bins": cfg.pack_bins or cfg.batch_size, "drop_remainder": cfg.drop_remainder}
@@ -254,15 +255,19 @@ def global_batches(examples: Examples, cfg: PipelineConfig) -> grain.IterDataset
         raise ValueError("no examples")
     shuffle_seed, pack_seed = _stream_seeds(cfg.seed)
     ds = examples if isinstance(examples, grain.MapDataset) else grain.MapDataset.source(examples)
+    # Validate before shuffling: the index an error names is then the caller's index.
     ds = ds.map_with_index(_Prepare(cfg, n))
     if cfg.shuffle:
         ds = ds.shuffle(seed=shuffle_seed)  # a fresh permutation per epoch (seed + epoch)
     ds = ds.repeat(cfg.num_epochs)
+    # Examples usually sit in memory already; reader threads would only contend for the GIL.
     read = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(cfg.read_threads, 1) * 16)
     rows = ds.to_iter_dataset(read)  # skips the Nones of dropped / empty examples
     if cfg.packing == "none":
         rows = rows.map(functools.partial(_pad_row, seq_len=cfg.seq_len, pad_id=cfg.pad_id))
     else:
+        # The packer fills pack_bins rows, emits them all when an example fits none, and shuffles
+        # their order (seeded); its state is the parent's position plus rows already emitted.
         packer = FirstFitPackIterDataset if cfg.packing == "first_fit" else BestFitPackIterDataset
         rows = packer(
             rows,
@@ -305,6 +310,8 @@ class PipelineIterator(grain.DatasetIterator):
         if short:  # keep shapes static for jit: pad with rows the loss ignores
             pad = empty_rows(short, self.cfg.seq_len, self.cfg.pad_id)
             batch = {k: np.concatenate([batch[k], pad[k]]) for k in FIELDS}
+        # Every host holds the same global batch; each keeps its block of rows (a copy, so the
+        # global batch is freed).
         rows = slice(
             self.process_index * self.host_batch_size, (self.process_index + 1) * self.host_batch_size
         )
@@ -320,6 +327,8 @@ class PipelineIterator(grain.DatasetIterator):
     def set_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a jaxpi pipeline state (version {STATE_VERSION}): {str(state)[:200]}")
+        # The grain state alone would restore silently into another config and yield a different
+        # stream; compare what shapes the stream first.
         theirs = state["pipeline"]
         diff = {k: (theirs.get(k), v) for k, v in self.fingerprint.items() if theirs.get(k) != v}
         if diff:
