@@ -118,7 +118,7 @@ def make_checkpoint(
 def _copy_tiny_tokenizer(out: Path, cfg: QwenConfig) -> None:
     import shutil
 
-    from jaxpi.data.demo import ASSETS, VOCAB_SIZE
+    from jaxpi.data.tiny_tokenizer import ASSETS, VOCAB_SIZE
 
     if cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"the tiny tokenizer has {VOCAB_SIZE} ids; vocab_size {cfg.vocab_size} is too small")

@@ -2,7 +2,7 @@
 
 Writes ASSETS_DIR/demo/ (Pi session files, an OpenAI-style file, manifest.json) and
 ASSETS_DIR/tiny_tokenizer/ (byte-level BPE, 512 ids, our Qwen3.5-style chat template).
-The logic lives in `jaxpi.data.demo`; the output is deterministic (seed 0).
+The logic lives in `jaxpi.data.demo` and `jaxpi.data.tiny_tokenizer`; the output is deterministic (seed 0).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """SFT data front end: Pi sessions in, admission gates, chat-template rendering with loss masks."""
 
-from jaxpi.data.demo import ASSETS
 from jaxpi.data.examples import build_examples, token_stats
 from jaxpi.data.gates import PI_EFFORTS, GateConfig, GateReport, admit
 from jaxpi.data.render import EffortStyle, Example, RenderConfig, RenderError, load_tokenizer, render_session
 from jaxpi.data.sessions import DataError, Rejection, Session, SessionMeta, read_sessions
+from jaxpi.data.tiny_tokenizer import ASSETS
 from jaxpi.data.tools import PI_TOOL_NAMES, pi_tools
 
 TINY_TOKENIZER = ASSETS / "tiny_tokenizer"

@@ -28,7 +28,7 @@ def build_examples(
     for s in admitted:
         try:
             rendered = render_session(s, tok, render_cfg)
-        except RenderError as e:
+        except RenderError as e:  # e.g. reasoning in a turn rendered with thinking off
             report.exclude(s.meta.source, {"render_error": str(e)})
             report.admitted -= 1
             continue

@@ -90,6 +90,8 @@ def structure_faults(session: Session) -> dict[str, str]:
         faults.setdefault(reason, detail)
 
     schemas = tool_schemas(session.tools)
+    # Calls must be answered before the conversation moves on: Pi runs every call of a turn and
+    # appends its results right after it, so anything else is a broken or hand-edited log.
     open_calls: dict[str, str] = {}  # tool_call_id -> tool name, awaiting a result
     msgs = session.messages
     for i, m in enumerate(msgs):
@@ -105,6 +107,7 @@ def structure_faults(session: Session) -> dict[str, str]:
                 and not (m.get("reasoning_content") or "").strip()
             ):
                 add("empty_assistant_turn", f"message {i}: no text, reasoning or tool call")
+            # reasoning alone ends the turn without acting or answering: nothing useful to imitate
             elif not (m.get("content") or "").strip() and not calls:
                 add("empty_assistant_turn", f"message {i}: reasoning only, no answer or tool call")
             for c in calls:

@@ -211,7 +211,9 @@ def render_session(session: Session, tok: Any, cfg: RenderConfig) -> list[Exampl
         cut = own.find(eot)
         if cut < 0:
             raise RenderError(f"{src}: message {k}: no {eot!r} closes the assistant turn")
-        own = own[: cut + len(eot)]
+        own = own[: cut + len(eot)]  # the template's newline after it belongs to the next prompt
+        # Two encodes, never one over the joined text: BPE merges across the prompt/turn boundary
+        # would give ids the engine never produced (it tokenised the prompt, then sampled).
         delta = encode(prompt[len(text) :])
         turn = encode(own)
         ids += delta + turn
