@@ -224,14 +224,17 @@ def test_hosts_split_the_global_batch(count):
 
 # ---- resumption -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("packing", "taken"),
-    [("first_fit", 3), ("first_fit", 7), ("best_fit", 5), ("none", 6)],  # 7: across the epoch boundary
+    ("packing", "taken", "prefetch"),
+    # 7: across the epoch boundary; prefetch: batches made ahead in a thread are not counted as taken.
+    [("first_fit", 3, 0), ("first_fit", 7, 0), ("best_fit", 5, 0), ("none", 6, 0), ("first_fit", 5, 3)],
 )
-def test_resume_from_json_state_continues_exactly(packing, taken):
+def test_resume_from_json_state_continues_exactly(packing, taken, prefetch):
     examples = make_examples(45, seed=10)
     # pack_bins 6 with batch 4: resuming often lands mid-way through a packed group.
-    cfg = PipelineConfig(seq_len=T, batch_size=4, seed=11, num_epochs=3, packing=packing, pack_bins=6)
-    full = collect(make_train_iterator(examples, cfg, **ONE))
+    cfg = PipelineConfig(
+        seq_len=T, batch_size=4, seed=11, num_epochs=3, packing=packing, pack_bins=6, prefetch=prefetch
+    )
+    full = collect(make_train_iterator(examples, cfg.replace(prefetch=0), **ONE))
     per_epoch = len(collect(make_train_iterator(examples, cfg.replace(num_epochs=1), **ONE)))
     assert taken < len(full) - 4
     it = make_train_iterator(examples, cfg, **ONE)
@@ -261,6 +264,14 @@ def test_resume_on_each_host_and_with_another_host_count():
             np.testing.assert_array_equal(batch[k], whole[17 + i][k][:1])
 
 
+def test_host_defaults_come_from_jax():
+    examples = make_examples(12, seed=21)
+    cfg = PipelineConfig(seq_len=T, batch_size=2, seed=1)
+    it = make_train_iterator(examples, cfg)
+    assert (it.process_index, it.process_count) == (jax.process_index(), jax.process_count()) == (0, 1)
+    same(collect(it), collect(make_train_iterator(examples, cfg, **ONE)))
+
+
 def test_state_from_another_pipeline_is_refused():
     examples = make_examples(20, seed=14)
     cfg = PipelineConfig(seq_len=T, batch_size=4, seed=1)
@@ -279,25 +290,32 @@ def test_grain_orbax_checkpoint_handler_round_trip(tmp_path):
     full = collect(make_train_iterator(examples, cfg, **ONE))
     it = make_train_iterator(examples, cfg, **ONE)
     collect(it, 4)
+    (tmp_path / "grain").mkdir()  # orbax creates it in a real checkpoint
     handler = grain.checkpoint.CheckpointHandler()
-    handler.save(epath.Path(tmp_path), item=it)
-    restored = handler.restore(epath.Path(tmp_path), item=make_train_iterator(examples, cfg, **ONE))
+    handler.save(epath.Path(tmp_path / "grain"), item=it)
+    restored = handler.restore(epath.Path(tmp_path / "grain"), item=make_train_iterator(examples, cfg, **ONE))
     same(collect(restored), full[4:])
+    # Or as JSON inside the trainer's own orbax checkpoint.
+    import orbax.checkpoint as ocp
+
+    collect(it, 3)
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckpt:
+        ckpt.save(tmp_path / "json", args=ocp.args.JsonSave(json.loads(save_state(it))))
+        state = ckpt.restore(tmp_path / "json", args=ocp.args.JsonRestore())
+    same(collect(restore_state(make_train_iterator(examples, cfg, **ONE), json.dumps(state))), full[7:])
 
 
-def test_worker_processes_are_deterministic_lossless_and_resumable():
+def test_worker_processes_are_lossless_and_resumable():
     examples = make_examples(40, seed=16)
     cfg = PipelineConfig(seq_len=T, batch_size=4, seed=2, num_workers=2)
     it = make_train_iterator(examples, cfg, **ONE)
-    full = collect(it)
-    it.close()
-    assert sorted(k for b in full for k in segments(b)) == sorted(expected_keys(examples, T))
-    it = make_train_iterator(examples, cfg, **ONE)
-    collect(it, 3)
+    head = collect(it, 3)
     blob = save_state(it)
+    tail = collect(it)
     it.close()
+    assert sorted(k for b in head + tail for k in segments(b)) == sorted(expected_keys(examples, T))
     fresh = restore_state(make_train_iterator(examples, cfg, **ONE), blob)
-    same(collect(fresh), full[3:])
+    same(collect(fresh), tail)
     fresh.close()
 
 

@@ -27,8 +27,10 @@ The segment-id contract (what `Qwen3_5ForCausalLM` and `next_token_loss` rely on
 
 Multi-host: every host runs the same global pipeline (packing is cheap next to a training step)
 and keeps its slice of rows, so host streams are disjoint, their union is the single-host stream
-batch by batch, and the iterator state is the same on every host (a checkpoint can be restored
-with another host count that divides the batch). Host p's rows are the p-th block of the global
+batch by batch, every host yields the same number of batches (no host runs dry while the others
+wait in a collective, which sharding the examples before packing cannot promise), and the
+iterator state is the same on every host (a checkpoint can be restored with another host count
+that divides the batch). The cost: each host reads every example. Host p's rows are the p-th block of the global
 batch, the order `jax.make_array_from_process_local_data` expects for a batch axis sharded over
 processes in order.
 
@@ -49,7 +51,7 @@ from typing import Any, Literal
 
 import grain
 import numpy as np
-from grain.experimental import BestFitPackIterDataset, FirstFitPackIterDataset
+from grain.experimental import BestFitPackIterDataset, FirstFitPackIterDataset, ThreadPrefetchIterDataset
 
 Batch = dict[str, np.ndarray]
 Examples = Sequence[Mapping[str, Any]] | grain.MapDataset
@@ -76,6 +78,8 @@ class PipelineConfig:
     num_workers: 0 = in-process; N > 0 = grain worker processes (`mp_prefetch`), each packing a
       slice of the data: deterministic, but the stream depends on N.
     read_threads: threads reading examples (0 suits examples already in memory).
+    prefetch: global batches prepared ahead in a background thread (0 = on demand); does not
+      change the stream, so a state saved with one setting restores under another.
     """
 
     seq_len: int
@@ -90,6 +94,7 @@ class PipelineConfig:
     pad_id: int = 0
     num_workers: int = 0
     read_threads: int = 0
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         errors = []
@@ -113,6 +118,8 @@ class PipelineConfig:
             errors.append(f"num_workers {self.num_workers} must be >= 0")
         if self.read_threads < 0:
             errors.append(f"read_threads {self.read_threads} must be >= 0")
+        if self.prefetch < 0:
+            errors.append(f"prefetch {self.prefetch} must be >= 0")
         if errors:
             raise ValueError("invalid PipelineConfig: " + "; ".join(errors))
 
@@ -281,6 +288,8 @@ def global_batches(examples: Examples, cfg: PipelineConfig) -> grain.IterDataset
     if cfg.num_workers:
         _absl_flags_ready()
         batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    if cfg.prefetch:
+        batches = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=cfg.prefetch)
     return batches
 
 
