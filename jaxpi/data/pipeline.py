@@ -30,9 +30,9 @@ and keeps its slice of rows, so host streams are disjoint, their union is the si
 batch by batch, every host yields the same number of batches (no host runs dry while the others
 wait in a collective, which sharding the examples before packing cannot promise), and the
 iterator state is the same on every host (a checkpoint can be restored with another host count
-that divides the batch). The cost: each host reads every example. Host p's rows are the p-th block of the global
-batch, the order `jax.make_array_from_process_local_data` expects for a batch axis sharded over
-processes in order.
+that divides the batch). The cost: each host reads every example. Host p's rows are the p-th
+block of the global batch, the order `jax.make_array_from_process_local_data` expects for a
+batch axis sharded over processes in order.
 
 Checkpoints: `save_state(it)` returns a JSON string; the trainer stores it inside its orbax
 checkpoint (e.g. `ocp.args.JsonSave(json.loads(blob))` beside the model state, or grain's own
