@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft_cli.add_subparser(sub)
     data_cli.add_subparser(sub)
+    from jaxpi.convert import export_cli
+
+    export_cli.add_subparser(sub)
     return p
 
 

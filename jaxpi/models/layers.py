@@ -7,6 +7,7 @@ transposed and reshaped by `jaxpi.convert`, never here.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -25,10 +26,18 @@ Cache = dict[str, jax.Array]
 
 
 def project(
-    mod: nnx.Module, proj: str, x: jax.Array, eq: str, *, hf: str | None = None, n_in: int = 1
+    mod: nnx.Module,
+    proj: str,
+    x: jax.Array,
+    eq: str,
+    *,
+    hf: str | None = None,
+    n_in: int = 1,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(x·A)·B` when an
-    adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv).
+    """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(drop(x)·A)·B`
+    when an adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares
+    (in_proj_qkv). `drop` is inverted dropout at the adapter's rate, applied only given a key.
 
     The product stays in the activation dtype (TPU/GPU accumulate bf16 products in float32 inside
     the matmul): asking for a float32 result would make the backward cotangent float32 and promote
@@ -36,11 +45,24 @@ def project(
     """
     y = jnp.einsum(eq, x, getattr(mod, proj)[...])
     b = getattr(mod, f"lora_b_{proj}", None)
-    if b is not None:
-        a = getattr(mod, f"lora_a_{hf or proj}")[...]
+    if b is not None and not getattr(mod, "lora_merged", False):
+        name = hf or proj
+        a = getattr(mod, f"lora_a_{name}")[...]
         # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
-        xa = jnp.tensordot(x.astype(jnp.float32), a, axes=n_in)  # [B, T, r]
-        y = (y + mod.lora_scale * jnp.tensordot(xa, b[...], axes=1)).astype(x.dtype)
+        xf = x.astype(jnp.float32)
+        rate = getattr(mod, "lora_dropout", 0.0)
+        if dropout_key is not None and rate > 0.0:
+            # One mask per HF module (keyed by its name), so in_proj_qkv's three parts see the same
+            # dropped input, as peft's single Linear does.
+            key = jax.random.fold_in(dropout_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+            xf = jnp.where(keep, xf / (1.0 - rate), 0.0)
+        xa = jnp.tensordot(xf, a, axes=n_in)  # [B, T, r]
+        delta = jnp.tensordot(xa, b[...], axes=1)
+        mask = getattr(mod, f"lora_mask_{name}", None)
+        if mask is not None:  # a stacked adapter whose layer (this scan step) is not selected
+            delta = delta * mask[...]
+        y = (y + mod.lora_scale * delta).astype(x.dtype)
     return y
 
 
@@ -53,11 +75,12 @@ class MLP(nnx.Module):
         self.up_proj = param(rngs, (d, f), ("embed", "mlp"), normal(), dtype)
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), normal(), dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = project(self, "gate_proj", x, "btd,df->btf")
-        up = project(self, "up_proj", x, "btd,df->btf")
+    def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        key = dropout_key
+        gate = project(self, "gate_proj", x, "btd,df->btf", dropout_key=key)
+        up = project(self, "up_proj", x, "btd,df->btf", dropout_key=key)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return project(self, "down_proj", hidden, "btf,fd->btd")
+        return project(self, "down_proj", hidden, "btf,fd->btd", dropout_key=key)
 
 
 class GatedAttention(nnx.Module):
@@ -88,13 +111,14 @@ class GatedAttention(nnx.Module):
         segment_ids: jax.Array | None,
         cache: Cache | None,
         lengths: jax.Array | None,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, hd = self.cfg, self.cfg.head_dim
         with jax.named_scope("qkv"):
-            qg = project(self, "q_proj", x, "btd,dhk->bthk")  # [B, T, Hq, 2d]
+            qg = project(self, "q_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)  # [B, T, Hq, 2d]
             q, gate = qg[..., :hd], qg[..., hd:]
-            k = project(self, "k_proj", x, "btd,dhk->bthk")
-            v = project(self, "v_proj", x, "btd,dhk->bthk")
+            k = project(self, "k_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
+            v = project(self, "v_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
@@ -131,7 +155,7 @@ class GatedAttention(nnx.Module):
             )
             new_cache = {"k": ck, "v": cv}
         o = o * jax.nn.sigmoid(gate)
-        return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2), new_cache
+        return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key), new_cache
 
 
 class GatedDeltaNet(nnx.Module):
@@ -166,7 +190,13 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = param(rngs, (nv, dv, d), ("gdn_v_heads", "head_dim", "embed"), normal(), dtype)
 
     def __call__(
-        self, x: jax.Array, *, segment_ids: jax.Array | None, cache: Cache | None, **_: Any
+        self,
+        x: jax.Array,
+        *,
+        segment_ids: jax.Array | None,
+        cache: Cache | None,
+        dropout_key: jax.Array | None = None,
+        **_: Any,
     ) -> tuple[jax.Array, Cache | None]:
         cfg = self.cfg
         b, t, _ = x.shape
@@ -181,7 +211,9 @@ class GatedDeltaNet(nnx.Module):
             bounds = np.cumsum([0, kd, kd, vd])
             outs, states = [], []
             for j, (proj, conv, heads, dim) in enumerate(parts):
-                y = project(self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv").reshape(b, t, heads * dim)
+                y = project(
+                    self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", dropout_key=dropout_key
+                ).reshape(b, t, heads * dim)
                 w = getattr(self, conv)[...].reshape(kw, heads * dim)  # [K, channels]
                 st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
                 y, st = causal_conv1d(y, w, segment_ids=segment_ids, state=st)
@@ -193,9 +225,13 @@ class GatedDeltaNet(nnx.Module):
             v = constrain(outs[2], ("batch", "seq", "gdn_v_heads", "head_dim"))
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(
-                project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b").astype(jnp.float32)
+                project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", dropout_key=dropout_key).astype(
+                    jnp.float32
+                )
             )
-            a = project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a").astype(jnp.float32)
+            a = project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", dropout_key=dropout_key).astype(
+                jnp.float32
+            )
             g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
                 a + self.dt_bias[...].astype(jnp.float32)
             )
@@ -216,9 +252,9 @@ class GatedDeltaNet(nnx.Module):
                     segment_ids=segment_ids,
                 )
         with jax.named_scope("out"):
-            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z")
+            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", dropout_key=dropout_key)
             o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)
-            y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2)
+            y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key)
         new_cache = (
             None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
         )
@@ -238,13 +274,17 @@ class DecoderLayer(nnx.Module):
         self.post_norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h: jax.Array, **kw: Any) -> tuple[jax.Array, Cache | None]:
+    def __call__(
+        self, h: jax.Array, *, dropout_key: jax.Array | None = None, **kw: Any
+    ) -> tuple[jax.Array, Cache | None]:
+        """`dropout_key` (this layer's) drives LoRA dropout; mixer and MLP modules have distinct
+        names, so one key gives each module its own mask."""
         eps, act = self.cfg.rms_norm_eps, ("batch", "seq", "embed")
         with jax.named_scope("mixer"):
-            y, cache = self.mixer(rms_norm(h, self.input_norm[...], eps), **kw)
+            y, cache = self.mixer(rms_norm(h, self.input_norm[...], eps), dropout_key=dropout_key, **kw)
             h = constrain(h + y, act)
         with jax.named_scope("mlp"):
-            h = constrain(h + self.mlp(rms_norm(h, self.post_norm[...], eps)), act)
+            h = constrain(h + self.mlp(rms_norm(h, self.post_norm[...], eps), dropout_key=dropout_key), act)
         return h, cache
 
 

@@ -61,10 +61,21 @@ class LayerGroup(nnx.Module):
     def __init__(self, cfg: QwenConfig, types: tuple[str, ...], *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.blocks = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in types])
 
-    def __call__(self, h: jax.Array, caches: tuple | None, **kw: Any) -> tuple[jax.Array, tuple | None]:
+    def __call__(
+        self,
+        h: jax.Array,
+        caches: tuple | None,
+        *,
+        first_layer: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+        **kw: Any,
+    ) -> tuple[jax.Array, tuple | None]:
+        """`first_layer` (the HF index of this group's first layer, traced under scan) is needed
+        only with a `dropout_key`: each layer's key is the model key folded with its HF index."""
         new = []
         for j, block in enumerate(self.blocks):
-            h, c = block(h, cache=None if caches is None else caches[j], **kw)
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, first_layer + j)
+            h, c = block(h, cache=None if caches is None else caches[j], dropout_key=key, **kw)
             new.append(c)
         return h, (None if caches is None else tuple(new))
 
@@ -101,6 +112,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: dict | None = None,
+        *,
+        dropout_key: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, dict]:
         """Logits `[B, T, V]` for `input_ids` `[B, T]`; with `cache`, returns `(logits, new_cache)`.
 
@@ -108,8 +121,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
         boundary and the DeltaNet conv window and state restart at each one; positions then
         default to the offset within each segment. With a cache (prefill or decode), row b's new
         tokens take positions `cache["lengths"][b] + t`.
+
+        `dropout_key` (a PRNG key; a trainer passes a fresh one per step) switches on LoRA dropout
+        at the adapters' rate; None (the default, for evaluation and decoding) means no dropout.
+        The same key gives the same masks, whether layers are scanned or not.
         """
-        hidden, new_cache = self.hidden_states(input_ids, positions, segment_ids, cache)
+        hidden, new_cache = self.hidden_states(
+            input_ids, positions, segment_ids, cache, dropout_key=dropout_key
+        )
         logits = self.logits(hidden)
         return logits if cache is None else (logits, new_cache)
 
@@ -124,6 +143,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: dict | None = None,
+        *,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None]:
         """Final-normed hidden states `[B, T, D]` (the LM head is left to the caller's loss)."""
         cfg = self.cfg
@@ -145,13 +166,19 @@ class Qwen3_5ForCausalLM(nnx.Module):
         kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
         h = constrain(jnp.take(self.embed[...], input_ids, axis=0), ("batch", "seq", "embed"))
         new_cache: dict[str, Any] | None = None if cache is None else {"lengths": lengths + t}
+        p, g = layer_plan(cfg)
         if self.groups is not None:
-            h, group_cache = self._scan_groups(h, None if cache is None else cache["groups"], kw)
+            h, group_cache = self._scan_groups(
+                h, None if cache is None else cache["groups"], kw, dropout_key=dropout_key
+            )
             if new_cache is not None:
                 new_cache["groups"] = group_cache
         tail_cache = []
         for j, block in enumerate(self.tail):
-            h, c = self._run_block(block, h, None if cache is None else cache["tail"][j], kw)
+            block_kw = kw
+            if dropout_key is not None:  # the tail's layer j is HF layer P·G + j
+                block_kw = {**kw, "dropout_key": jax.random.fold_in(dropout_key, p * g + j)}
+            h, c = self._run_block(block, h, None if cache is None else cache["tail"][j], block_kw)
             tail_cache.append(c)
         if new_cache is not None:
             new_cache["tail"] = tuple(tail_cache)
@@ -170,17 +197,23 @@ class Qwen3_5ForCausalLM(nnx.Module):
             run = jax.checkpoint(run, policy=REMAT[self.cfg.remat])
         return run(state, h, cache)
 
-    def _scan_groups(self, h: jax.Array, caches: tuple | None, kw: dict) -> tuple[jax.Array, tuple | None]:
+    def _scan_groups(
+        self, h: jax.Array, caches: tuple | None, kw: dict, *, dropout_key: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple | None]:
         graphdef, state = nnx.split(self.groups)
+        p, g = layer_plan(self.cfg)
+        # With dropout, each scan step also takes its group's first HF layer index.
+        firsts = None if dropout_key is None else jnp.arange(g, dtype=jnp.int32) * p
 
         def body(x, xs):
-            st, c = xs
-            return nnx.merge(graphdef, st)(x, c, **kw)
+            st, c, first = xs
+            group_kw = kw if first is None else {**kw, "first_layer": first, "dropout_key": dropout_key}
+            return nnx.merge(graphdef, st)(x, c, **group_kw)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT[self.cfg.remat])
         with jax.named_scope("layer_groups"):
-            h, new = jax.lax.scan(body, h, (state, caches))
+            h, new = jax.lax.scan(body, h, (state, caches, firsts))
         return h, new
 
     # ---- decode cache ---------------------------------------------------------------------------
