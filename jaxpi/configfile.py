@@ -83,7 +83,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config", p
     unknown = sorted(set(data) - names)
     if unknown:
         key = prefix + str(unknown[0])
-        raise ConfigError(f"{where}: {_unknown_message(cls, key, prefix)}")
+        raise ConfigError(f"{where}: {_unknown_message(field_names(cls, prefix), key)}")
     kwargs = {}
     for name, value in data.items():
         hint, key = hints[name], prefix + name
@@ -195,7 +195,7 @@ def _resolve(cls: type, parts: list[str], key: str) -> Any:
         hints = typing.get_type_hints(sub)
         if p not in hints or p not in {f.name for f in dataclasses.fields(sub)}:
             prefix = ".".join(parts[:i]) + "." if i else ""
-            raise ConfigError(_unknown_message(cls, key, prefix))
+            raise ConfigError(_unknown_message(field_names(sub, prefix), key))
         node = hints[p]
     if _dataclass_type(node) is not None:
         raise ConfigError(
@@ -204,9 +204,8 @@ def _resolve(cls: type, parts: list[str], key: str) -> Any:
     return node
 
 
-def _unknown_message(root: type, key: str, prefix: str) -> str:
-    valid = field_names(root)
-    section = [k for k in valid if k.startswith(prefix)] if prefix else valid
-    close = difflib.get_close_matches(key, valid, n=1)
+def _unknown_message(valid: list[str], key: str) -> str:
+    """The error for an unknown key: the closest valid key, then every key of its section."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.8)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown config key {key!r}{hint}; valid keys: {', '.join(section)}"
+    return f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}"

@@ -1,0 +1,126 @@
+"""YAML configs and `key.sub=value` overrides for frozen dataclasses (jaxpi.configfile)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jaxpi.configfile import ConfigError, field_names, load_config, to_dict
+from jaxpi.train.sft import SFTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    rate: float = 0.1
+    names: tuple[str, ...] = ("a",)
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rate < 0:
+            raise ValueError(f"inner.rate must be >= 0, got {self.rate}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    name: str = "x"
+    steps: int = 1
+    flag: bool = False
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: run\nsteps: 3\ninner:\n  rate: 1e-3\n  names: [p, q]\n")
+    cfg = load_config(Outer, path)
+    # YAML 1.1 reads `1e-3` as a string; the float field converts it.
+    assert cfg == Outer(name="run", steps=3, inner=Inner(rate=1e-3, names=("p", "q")))
+    cfg = load_config(
+        Outer, path, ["inner.rate=0.5", "flag=true", "inner.limit=7", "name=007", "inner.names=u,v"]
+    )
+    assert cfg.inner == Inner(rate=0.5, names=("u", "v"), limit=7)
+    assert cfg.flag is True and cfg.name == "007"  # str fields keep the text as written
+    assert load_config(Outer, path, ["inner.limit=null"]).inner.limit is None
+    assert load_config(Outer, None, ["steps=1_000"]).steps == 1000
+    assert to_dict(cfg) == {
+        "name": "007",
+        "steps": 3,
+        "flag": True,
+        "inner": {"rate": 0.5, "names": ["u", "v"], "limit": 7},
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["steps=three"], "steps: expected an integer, got 'three'"),
+        (["steps=1.5"], "steps: expected an integer, got 1.5"),
+        (["flag=maybe"], "flag: expected true or false, got 'maybe'"),
+        (["inner.rate=fast"], "inner.rate: expected a number, got 'fast'"),
+        (["inner.rate=-1"], "inner.rate must be >= 0, got -1.0"),  # the dataclass's own check
+        (
+            ["inner.rtae=1"],
+            r"unknown config key 'inner.rtae' \(did you mean 'inner.rate'\?\); valid keys: inner.rate, ",
+        ),
+        (
+            ["nope=1"],
+            "unknown config key 'nope'; valid keys: name, steps, flag, inner.rate, inner.names, inner.limit",
+        ),
+        (["inner=1"], "'inner' is a section; set one of its keys: inner.rate"),
+        (["steps.sub=1"], "steps is a value, not a section"),
+        (["steps"], "not of the form key.sub=value"),
+    ],
+)
+def test_override_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Outer, None, overrides)
+
+
+def test_unknown_yaml_key_lists_the_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("inner:\n  rate: 1\n  colour: red\n")
+    with pytest.raises(
+        ConfigError, match=r"c.yaml: unknown config key 'inner.colour'; valid keys: inner.rate, inner.names"
+    ):
+        load_config(Outer, path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(Outer, path)
+    with pytest.raises(FileNotFoundError):
+        load_config(Outer, tmp_path / "missing.yaml")
+
+
+def test_sft_configs_load_and_every_field_is_overridable():
+    for path in sorted((ROOT / "configs" / "sft").glob("*.yaml")):
+        cfg = load_config(SFTConfig, path)
+        assert cfg.train.steps >= 1, path
+    keys = field_names(SFTConfig)
+    assert {
+        "model.base",
+        "data.gate.max_tokens",
+        "lora.rank",
+        "optim.lr",
+        "train.eval_hook",
+        "sharding.mesh",
+    } <= set(keys)
+    cfg = load_config(
+        SFTConfig,
+        ROOT / "configs" / "sft" / "tiny.yaml",
+        [
+            "lora.targets=q_proj,v_proj",
+            "data.gate.allowed_efforts=[low,medium]",
+            "optim.lr=1e-4",
+            "train.steps=5",
+        ],
+    )
+    assert cfg.lora.targets == ("q_proj", "v_proj") and cfg.data.gate.allowed_efforts == ("low", "medium")
+    assert cfg.optim.lr == 1e-4 and cfg.train.steps == 5
+    with pytest.raises(ConfigError, match="unknown LoRA targets"):
+        load_config(SFTConfig, None, ["lora.targets=q_proj,nope"])
+    with pytest.raises(ConfigError, match=r"train\.eval_hook must be 'module:function'"):
+        load_config(SFTConfig, None, ["train.eval_hook=nothing"])
+    with pytest.raises(ConfigError, match=r"sharding\.strategy needs sharding\.mesh"):
+        load_config(SFTConfig, None, ["sharding.strategy=fsdp"])

@@ -1,0 +1,321 @@
+"""LoRA SFT: accumulation, schedule and clipping as pure functions; the `jaxpi sft` command end to end.
+
+The command runs in subprocesses on configs/sft/tiny.yaml with a few overrides (a shared tiny base,
+synthetic 64-token data so each step takes milliseconds, 10 steps): one uninterrupted run, one
+SIGKILLed past its second checkpoint and restarted, one poisoned with NaN, one sharded. JAX's
+persistent compilation cache is shared between them, so only the first pays the full compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpi.config import TINY
+from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.train.checkpoint import load_adapter
+from jaxpi.train.metrics import read_jsonl, truncate_jsonl
+from jaxpi.train.schedule import OptimConfig, lr_schedule, make_optimizer
+from jaxpi.train.sft import split_by_session, synthetic_examples
+from jaxpi.train.step import interleave_microbatches, make_train_step, next_token_loss, target_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "sft" / "tiny.yaml"
+STEPS, EVERY = 10, 3  # checkpoints at 3, 6, 9 and 10
+
+
+# ---- pure pieces ----------------------------------------------------------------------------------
+def random_lora_model(lcfg: LoraConfig, cfg=TINY, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """`cfg` with adapters, every variable seeded noise (B non-zero, so gradients reach A too),
+    built abstractly and filled: running the initialisers eagerly is slow on CPU."""
+    abstract = nnx.eval_shape(lambda: add_lora(Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0)), lcfg))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+
+    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        shape, name = var.get_value().shape, str(path[-1])
+        if name == "A_log":
+            value = np.log(rng.uniform(0.5, 4.5, shape))
+        elif name == "dt_bias":
+            value = 1.0 + 0.5 * rng.standard_normal(shape)
+        else:
+            value = (0.2 if "norm" in name or name.startswith("conv") else 0.05) * rng.standard_normal(shape)
+        return var.replace(jnp.asarray(value, var.get_value().dtype))
+
+    return graphdef, jax.tree_util.tree_map_with_path(
+        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    # One DeltaNet layer: accumulation does not depend on depth, and compiling two steps stays cheap.
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets=("in_proj_qkv", "out_proj", "down_proj"))
+    return random_lora_model(lcfg, TINY.replace(num_hidden_layers=1))
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(got) - np.asarray(want)) / max(np.linalg.norm(want), 1e-30))
+
+
+def micro_batches(k: int, b: int = 2, t: int = 24) -> list[dict[str, np.ndarray]]:
+    """k microbatches with very different numbers of supervised tokens."""
+    rng = np.random.default_rng(0)
+    out = []
+    for j in range(k):
+        mask = np.zeros((b, t), np.int32)
+        mask[:, t - 3 - 6 * j :] = 1  # 3, 9, 15, ... supervised targets per row
+        seg = np.ones((b, t), np.int32)
+        seg[0, t // 2 :] = 2
+        out.append(
+            {
+                "input_ids": rng.integers(0, TINY.vocab_size, (b, t)).astype(np.int32),
+                "loss_mask": mask,
+                "segment_ids": seg,
+            }
+        )
+    return out
+
+
+def test_accumulation_equals_one_big_batch(lora_model):
+    graphdef, params = lora_model
+    micro = micro_batches(3)
+    batch = interleave_microbatches(micro)
+    # Microbatch j is rows j, j+k, ... of the interleaved batch.
+    np.testing.assert_array_equal(batch["input_ids"][1::3], micro[1]["input_ids"])
+    sgd = optax.sgd(1.0)  # the update is the gradient: comparing parameters compares gradients
+    results = []
+    for k in (1, 3):
+        step = jax.jit(make_train_step(graphdef, sgd, trainable=LoRAParam, accum_steps=k))
+        new, _, metrics = step(params, sgd.init(nnx.state(params, LoRAParam)), batch)
+        results.append((jax.tree.map(np.asarray, nnx.state(new, LoRAParam)), jax.tree.map(float, metrics)))
+    (p1, m1), (p3, m3) = results
+    np.testing.assert_allclose(m3["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m3["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    # Per tensor, relative to the update (the gradient): float32 summation order only.
+    before = nnx.state(params, LoRAParam)
+    for a, b, c in zip(jax.tree.leaves(p3), jax.tree.leaves(p1), jax.tree.leaves(before), strict=True):
+        assert rel_err(a - np.asarray(c), b - np.asarray(c)) < 1e-5
+    # Token weighting matters here: the plain mean of the microbatch losses is another number.
+    model = nnx.merge(graphdef, params)
+    plain = np.mean([float(next_token_loss(model, **m)) for m in micro])
+    assert abs(plain - m1["loss"]) > 1e-3
+    counts = [float(jnp.sum(target_weights(**m))) for m in micro]
+    assert len(set(counts)) == 3
+
+
+def test_schedule_endpoints():
+    cfg = OptimConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
+    lr = lr_schedule(cfg, 20)
+    np.testing.assert_allclose([float(lr(0)), float(lr(2)), float(lr(4))], [0.0, 5e-4, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(float(lr(12)), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # half-way down the cosine
+    np.testing.assert_allclose([float(lr(20)), float(lr(100))], [1e-4, 1e-4], rtol=1e-6)
+    values = [float(lr(s)) for s in range(4, 21)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+    with pytest.raises(ValueError, match=r"optim\.min_lr_ratio must be in"):
+        OptimConfig(min_lr_ratio=2.0)
+
+
+def test_clipping_bounds_the_global_norm():
+    params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    grads = {"a": jnp.full(3, 30.0), "b": jnp.full((2, 2), -40.0)}
+    norm = float(optax.tree.norm(grads))
+    # eps=1 makes Adam's first step depend on the gradient's scale, so clipping shows in it.
+    base = OptimConfig(lr=1.0, warmup_steps=0, eps=1.0, weight_decay=0.0)
+    clipped = make_optimizer(OptimConfig(**{**base.__dict__, "clip_norm": 2.0}), 10)
+    plain = make_optimizer(OptimConfig(**{**base.__dict__, "clip_norm": 0.0}), 10)
+    u_clip, _ = clipped.update(grads, clipped.init(params), params)
+    scaled = jax.tree.map(lambda g: g * 2.0 / norm, grads)
+    u_ref, _ = plain.update(scaled, plain.init(params), params)
+    u_raw, _ = plain.update(grads, plain.init(params), params)
+    for k in params:
+        np.testing.assert_allclose(u_clip[k], u_ref[k], rtol=1e-6)
+        assert not np.allclose(u_clip[k], u_raw[k])
+
+
+def test_validation_split_is_by_session_and_stable():
+    examples = synthetic_examples(40, 32, 512, seed=0)  # two examples per session
+    train, val = split_by_session(examples, 0.2)
+    assert len(val) == 8 and len(train) == 32  # ⌈0.2 · 20⌉ = 4 sessions
+    held = {e["session_id"] for e in val}
+    assert held.isdisjoint(e["session_id"] for e in train)
+    # The same sessions whatever the order of the examples.
+    again = split_by_session(list(reversed(examples)), 0.2)[1]
+    assert {e["session_id"] for e in again} == held
+    assert split_by_session(examples, 0.0)[1] == []
+
+
+def test_truncate_jsonl(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert truncate_jsonl(path, 3) == 3
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+
+
+# ---- the command ----------------------------------------------------------------------------------
+HOOK = """
+import json, os
+def record(ckpt_dir, step):
+    with open(os.environ["HOOK_LOG"], "a") as f:
+        f.write(json.dumps({"dir": ckpt_dir, "step": step}) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    from jaxpi.hf_fixtures import make_checkpoint
+
+    base = make_checkpoint(root / "base", TINY, seed=0, tokenizer=True)
+    (root / "hookmod.py").write_text(HOOK)
+    environ = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(root), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        HOOK_LOG=str(root / "hook.jsonl"),
+    )
+    return SimpleNamespace(root=root, base=base, environ=environ)
+
+
+def command(env, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "jaxpi.cli", "sft", "--config", str(TINY_YAML), "--json",
+        f"model.base={env.base}", f"output.dir={out}",
+        "data.source=synthetic", "data.seq_len=64", "data.batch_size=4", "data.synthetic_examples=48",
+        f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.eval_every=5",
+        *extra,
+    ]  # fmt: skip
+
+
+def run(env, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        command(env, out, *extra), env=env.environ, capture_output=True, text=True, timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def losses(out: Path) -> list[float]:
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(env):
+    """One uninterrupted run, with the eval hook."""
+    out = env.root / "straight"
+    proc = run(env, out, "train.eval_hook=hookmod:record")
+    return SimpleNamespace(out=out, summary=json.loads(proc.stdout))
+
+
+def test_uninterrupted_run(env, straight):
+    out, summary = straight.out, straight.summary
+    assert summary["steps"] == STEPS and summary["checkpoint"] == str(out / "checkpoints" / str(STEPS))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "tokens", "supervised_tokens", "tokens_per_s", "time"):
+        assert all(key in r for r in records), key
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
+    assert summary["val_loss"] == records[-1]["val_loss"]
+    # The loss falls (a learnable synthetic chain; first step at lr 0 of the warmup).
+    first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-3:]])
+    assert last < first - 0.3, (first, last)
+    # keep_checkpoints=3 of the saves at 3, 6, 9, 10; the eval hook saw every save.
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [6, 9, 10]
+    hook = [json.loads(line) for line in (env.root / "hook.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in hook] == [3, 6, 9, 10]
+    assert hook[-1]["dir"] == str(out / "checkpoints" / "10")
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["train_examples"] + report["val_examples"] == 48 and report["packing"]["efficiency"] > 0.5
+    assert list((out / "tb").iterdir()), "no TensorBoard events"
+    # The adapter loads for export, with the metadata it needs.
+    adapter, lora_cfg, meta = load_adapter(out)
+    assert meta["step"] == STEPS and meta["base"] == str(env.base) and lora_cfg.rank == 8
+    assert meta["model_config"]["num_hidden_layers"] == TINY.num_hidden_layers
+    assert any(
+        float(np.abs(v.get_value()).max()) > 0
+        for p, v in nnx.to_flat_state(adapter)
+        if "lora_b" in str(p[-1])
+    )
+
+
+def test_resume_after_sigkill_is_exact(env, straight):
+    out = env.root / "killed"
+    metrics = out / "metrics.jsonl"
+    proc = subprocess.Popen(
+        command(env, out), env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    killed_at = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        steps = [r["step"] for r in read_jsonl(metrics)] if metrics.exists() else []
+        if steps and steps[-1] > 2 * EVERY:  # past the second checkpoint
+            proc.send_signal(signal.SIGKILL)
+            killed_at = steps[-1]
+            break
+        time.sleep(0.002)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert killed_at is not None and killed_at < STEPS
+    # Restart with the same command: it resumes from the latest checkpoint and finishes.
+    summary = json.loads(run(env, out).stdout)
+    assert 2 * EVERY <= summary["resumed_from"] < STEPS
+    # The same losses as the run that was never stopped, bit for bit (same CPU program, same
+    # inputs in the same order: nothing in a step depends on what ran before it in the process).
+    assert losses(out) == losses(straight.out)
+    assert summary["val_loss"] == straight.summary["val_loss"]
+    a, _, _ = load_adapter(out)
+    b, _, _ = load_adapter(straight.out)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_nan_stops_and_keeps_the_last_good_checkpoint(env, straight):
+    out = env.root / "nan"
+    proc = run(env, out, "train.nan_at_step=5", check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite loss at step 5" in proc.stderr
+    assert "last good checkpoint is step 3" in proc.stderr
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3]
+    # Until step 5 the poison is 0 (the program has one more input, so equal to rounding).
+    np.testing.assert_allclose(losses(out), losses(straight.out)[:4], rtol=1e-6)
+    # The kept checkpoint is the good one: rerunning without the poison resumes from it.
+    summary = json.loads(run(env, out).stdout)
+    assert summary["resumed_from"] == 3
+    np.testing.assert_allclose(losses(out), losses(straight.out), rtol=1e-5)
+
+
+@pytest.mark.slow  # a third compile (~30 s on 2 cores); tests/test_sharding.py checks sharded steps in make test
+def test_sharded_run_matches_one_device(env, straight):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 virtual devices (tests/conftest.py)")
+    out = env.root / "sharded"
+    run(env, out, "sharding.mesh=data=2,fsdp=4", "sharding.strategy=fsdp")
+    np.testing.assert_allclose(losses(out), losses(straight.out), rtol=1e-5)
+
+
+def test_config_errors_are_clear(env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpi.cli", "sft", "--config", str(TINY_YAML), "optim.lrr=1"],
+        env=env.environ, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown config key 'optim.lrr' (did you mean 'optim.lr'?); valid keys: optim.lr," in proc.stderr
