@@ -198,6 +198,7 @@ def command(env, out: Path, *extra: str) -> list[str]:
         sys.executable, "-m", "jaxpi.cli", "sft", "--config", str(TINY_YAML), "--json",
         f"model.base={env.base}", f"output.dir={out}",
         "data.source=synthetic", "data.seq_len=64", "data.batch_size=4", "data.synthetic_examples=48",
+        "lora.dropout=0.1", "train.grad_accum=2",  # dropout keys per step and microbatch
         f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.eval_every=5",
         *extra,
     ]  # fmt: skip
@@ -297,10 +298,10 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(env, straight):
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3]
     # Until step 5 the poison is 0 (the program has one more input, so equal to rounding).
     np.testing.assert_allclose(losses(out), losses(straight.out)[:4], rtol=1e-6)
-    # The kept checkpoint is the good one: rerunning without the poison resumes from it.
-    summary = json.loads(run(env, out).stdout)
-    assert summary["resumed_from"] == 3
-    np.testing.assert_allclose(losses(out), losses(straight.out), rtol=1e-5)
+    # The kept checkpoint is the good one (finite, step 3); rerunning resumes from it (the resume
+    # itself is test_resume_after_sigkill_is_exact's).
+    adapter, _, meta = load_adapter(out)
+    assert meta["step"] == 3 and all(np.isfinite(x).all() for x in jax.tree.leaves(adapter))
 
 
 @pytest.mark.slow  # a third compile (~30 s on 2 cores); tests/test_sharding.py checks sharded steps in make test

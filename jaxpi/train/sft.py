@@ -298,6 +298,163 @@ def _check_resume(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return diffs
 
 
+FIELDS = ("input_ids", "loss_mask", "segment_ids", "positions")  # what the model and loss read
+
+
+@dataclasses.dataclass
+class SFTData:
+    """The admitted examples split by session, the pipeline settings, the data report."""
+
+    train: list[Any]
+    val: list[Any]
+    pipeline: Any  # jaxpi.data.pipeline.PipelineConfig
+    report: dict[str, Any]
+
+
+def prepare_data(cfg: SFTConfig, base_dir: Path, vocab: int) -> SFTData:
+    """Examples (sessions or synthetic), the session split, packing statistics of one epoch."""
+    from jaxpi.data.pipeline import PipelineConfig, example_stats, packing_stats
+
+    examples, report = build_data(cfg, base_dir, vocab)
+    train, val = split_by_session(examples, cfg.data.val_fraction)
+    if not train:
+        raise ValueError("no training examples were admitted (see the data report)")
+    pipe = PipelineConfig(
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+        num_epochs=None,  # the run is measured in steps; epochs wrap
+        overlong=cfg.data.overlong,
+        packing=cfg.data.packing,
+    )
+    pack = packing_stats(train, pipe)
+    report.update(
+        train_examples=len(train),
+        val_examples=len(val),
+        sessions={
+            "train": len({session_key(e, i) for i, e in enumerate(train)}),
+            "val": len({session_key(e, i) for i, e in enumerate(val)}),
+        },
+        examples=dataclasses.asdict(example_stats(train, pipe)),
+        packing={**dataclasses.asdict(pack), "efficiency": pack.efficiency},
+        epoch_steps=pack.batches / cfg.train.grad_accum,
+    )
+    return SFTData(train, val, pipe, report)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Model state and the compiled functions over it, placed on one device or a mesh.
+
+    `step(params, opt_state, batch[, key])` is the jitted train step (a key only with LoRA
+    dropout); `evaluate(params, batch) -> (Σ nll, Σ weights)`; `feed(batch, train)` puts a host
+    batch where the step (or, with train=False, `evaluate`) wants it.
+    """
+
+    graphdef: Any
+    params: Any
+    opt_state: Any
+    step: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    feed: Callable[[dict[str, Any], bool], dict[str, Any]]
+    with_key: bool
+
+
+def build_trainer(cfg: SFTConfig, base_dir: Path, model_cfg: Any, key: Any) -> Trainer:
+    """Load the frozen base (onto its shardings with a mesh), attach adapters from `key`, build
+    the optimizer state and jit the step and the evaluation."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpi.convert.hf import load_hf
+    from jaxpi.lora import LoRAParam, add_lora
+    from jaxpi.train.schedule import make_optimizer
+    from jaxpi.train.step import (
+        init_opt_state,
+        jit_train_step,
+        make_train_step,
+        next_token_loss,
+        target_weights,
+    )
+
+    dtype = jnp.dtype(cfg.model.dtype)
+    mesh = strategy = loader = None
+    if cfg.sharding.mesh:
+        from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+        from sharding.mesh import make_mesh
+        from sharding.strategies import get_strategy, loader_shardings
+
+        mesh = make_mesh(cfg.sharding.mesh)
+        strategy = get_strategy(cfg.sharding.strategy or "fsdp")
+        build = lambda: Qwen3_5ForCausalLM(model_cfg, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
+        loader = loader_shardings(nnx.state(nnx.eval_shape(build), nnx.Param), strategy, mesh)
+    _, model = load_hf(base_dir, dtype, shardings=loader, config_overrides={"remat": cfg.model.remat})
+    add_lora(model, cfg.lora, key=key)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    with_key = cfg.lora.dropout > 0
+
+    def loss_fn(model: Any, poison: Any = None, **batch: Any) -> Any:
+        loss = next_token_loss(model, **batch)
+        # Test hook (train.nan_at_step): the poison array is 0 except at that step, where it is NaN.
+        return loss if poison is None else loss + jnp.sum(poison)
+
+    step_fn = make_train_step(
+        graphdef, optimizer, loss_fn=loss_fn, trainable=LoRAParam, accum_steps=cfg.train.grad_accum
+    )
+
+    def eval_fn(params: Any, batch: Any) -> tuple[Any, Any]:
+        n = jnp.sum(target_weights(**batch))
+        return next_token_loss(nnx.merge(graphdef, params), **batch) * n, n
+
+    if mesh is None:
+        opt_state = init_opt_state(optimizer, params, trainable=LoRAParam)
+        return Trainer(
+            graphdef,
+            params,
+            opt_state,
+            jax.jit(step_fn, donate_argnums=(0, 1)),
+            jax.jit(eval_fn),
+            lambda batch, train: {k: jnp.asarray(v) for k, v in batch.items()},
+            with_key,
+        )
+
+    from sharding.strategies import (
+        batch_sharding,
+        opt_state_shardings,
+        param_shardings,
+        with_activation_constraints,
+    )
+
+    p_shard = param_shardings(params, strategy, mesh)
+    params = jax.device_put(params, p_shard)
+    adapters = nnx.state(params, LoRAParam)
+    o_shard = opt_state_shardings(
+        jax.eval_shape(optimizer.init, adapters), adapters, nnx.state(p_shard, LoRAParam), mesh
+    )
+    init = jax.jit(lambda p: init_opt_state(optimizer, p, trainable=LoRAParam), out_shardings=o_shard)
+    rows = cfg.data.batch_size * cfg.train.grad_accum
+    b_shard = batch_sharding(strategy, mesh, (rows, cfg.data.seq_len))
+    e_shard = batch_sharding(strategy, mesh, (cfg.data.batch_size, cfg.data.seq_len))
+
+    def feed(batch: dict[str, Any], train: bool) -> dict[str, Any]:
+        # Each host holds its rows of the global batch (jaxpi.data.pipeline splits by host).
+        sharding = b_shard if train else e_shard
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+    return Trainer(
+        graphdef,
+        params,
+        init(params),
+        jit_train_step(step_fn, p_shard, o_shard, b_shard, mesh, strategy, with_key=with_key),
+        jax.jit(with_activation_constraints(eval_fn, strategy, mesh), in_shardings=(p_shard, e_shard)),
+        feed,
+        with_key,
+    )
+
+
 def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[str, Any]:
     """Train (or resume) the run in `cfg.output.dir`; returns the summary `--json` prints.
 
@@ -305,27 +462,18 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
     is kept, that step is not saved).
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.data.pipeline import (
-        PipelineConfig,
-        batch_stats,
-        example_stats,
-        make_eval_iterator,
-        make_train_iterator,
-        packing_stats,
-    )
-    from jaxpi.lora import LoRAParam, add_lora
+    from jaxpi.config import QwenConfig
+    from jaxpi.data.pipeline import batch_stats, make_eval_iterator, make_train_iterator
+    from jaxpi.lora import LoRAParam
     from jaxpi.train.checkpoint import CheckpointStore
     from jaxpi.train.metrics import MetricsLog
-    from jaxpi.train.schedule import lr_schedule, make_optimizer
-    from jaxpi.train.step import init_opt_state, interleave_microbatches, make_train_step, next_token_loss
+    from jaxpi.train.schedule import lr_schedule
+    from jaxpi.train.step import interleave_microbatches
 
     out = out or sys.stdout
-    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     run_dir = Path(cfg.output.dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, keep=cfg.train.keep_checkpoints)
@@ -341,125 +489,25 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
             )
     _write_atomic(run_dir / "config.json", json.dumps(config_dict, indent=2))
 
-    # ---- base model and data ----
     base_dir = prepare_base(cfg, run_dir)
-    dtype = jnp.dtype(cfg.model.dtype)
-    from jaxpi.config import QwenConfig
-
     model_cfg = QwenConfig.from_hf(base_dir).replace(remat=cfg.model.remat)
-    examples, report = build_data(cfg, base_dir, model_cfg.vocab_size)
-    train_ex, val_ex = split_by_session(examples, cfg.data.val_fraction)
-    if not train_ex:
-        raise ValueError("no training examples were admitted (see the data report)")
-    pipe = PipelineConfig(
-        seq_len=cfg.data.seq_len,
-        batch_size=cfg.data.batch_size,
-        seed=cfg.train.seed,
-        shuffle=cfg.data.shuffle,
-        num_epochs=None,  # the run is measured in steps; epochs wrap
-        overlong=cfg.data.overlong,
-        packing=cfg.data.packing,
-    )
-    pack = packing_stats(train_ex, pipe)
-    report.update(
-        train_examples=len(train_ex),
-        val_examples=len(val_ex),
-        sessions={
-            "train": len({session_key(e, i) for i, e in enumerate(train_ex)}),
-            "val": len({session_key(e, i) for i, e in enumerate(val_ex)}),
-        },
-        examples=dataclasses.asdict(example_stats(train_ex, pipe)),
-        packing={**dataclasses.asdict(pack), "efficiency": pack.efficiency},
-        epoch_steps=pack.batches / cfg.train.grad_accum,
-    )
-    _write_atomic(run_dir / "data_report.json", json.dumps(report, indent=2))
-    say(_report_text(report, cfg))
+    data = prepare_data(cfg, base_dir, model_cfg.vocab_size)
+    _write_atomic(run_dir / "data_report.json", json.dumps(data.report, indent=2))
+    print(_report_text(data.report, cfg), file=out, flush=True)
 
-    # ---- model, adapters, optimizer, placement ----
-    mesh = strategy = None
-    shardings_fn = None
-    if cfg.sharding.mesh:
-        from sharding.mesh import make_mesh
-        from sharding.strategies import get_strategy, loader_shardings
-
-        mesh = make_mesh(cfg.sharding.mesh)
-        strategy = get_strategy(cfg.sharding.strategy or "fsdp")
-        from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
-
-        abstract = nnx.state(
-            nnx.eval_shape(lambda: Qwen3_5ForCausalLM(model_cfg, dtype=dtype, rngs=nnx.Rngs(0))), nnx.Param
-        )
-        shardings_fn = loader_shardings(abstract, strategy, mesh)
-    _, model = load_hf(base_dir, dtype, shardings=shardings_fn, config_overrides={"remat": cfg.model.remat})
     root = jax.random.key(cfg.train.seed)
-    add_lora(model, cfg.lora, key=jax.random.fold_in(root, 1))
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    schedule = lr_schedule(cfg.optim, cfg.train.steps)
-    rows = cfg.data.batch_size * cfg.train.grad_accum
-    dropout = cfg.lora.dropout > 0  # the step then takes a PRNG key
-
-    def loss_fn(model: Any, poison: Any = None, **batch: Any) -> Any:
-        loss = next_token_loss(model, **batch)
-        # Test hook (train.nan_at_step): the poison array is 0 except at that step, where it is NaN.
-        return loss if poison is None else loss + jnp.sum(poison)
-
-    step_fn = make_train_step(
-        graphdef, optimizer, loss_fn=loss_fn, trainable=LoRAParam, accum_steps=cfg.train.grad_accum
-    )
-
-    def eval_fn(params: Any, batch: Any) -> Any:
-        from jaxpi.train.step import target_weights
-
-        model = nnx.merge(graphdef, params)
-        n = jnp.sum(target_weights(**batch))
-        return next_token_loss(model, **batch) * n, n
-
-    if mesh is not None:
-        from jaxpi.train.step import jit_train_step
-        from sharding.strategies import batch_sharding, opt_state_shardings, param_shardings
-
-        p_shard = param_shardings(params, strategy, mesh)
-        params = jax.device_put(params, p_shard)
-        train_abstract = nnx.state(params, LoRAParam)
-        o_shard = opt_state_shardings(
-            jax.eval_shape(optimizer.init, train_abstract),
-            train_abstract,
-            nnx.state(p_shard, LoRAParam),
-            mesh,
-        )
-        opt_state = jax.jit(
-            lambda p: init_opt_state(optimizer, p, trainable=LoRAParam), out_shardings=o_shard
-        )(params)
-        b_shard = batch_sharding(strategy, mesh, (rows, cfg.data.seq_len))
-        e_shard = batch_sharding(strategy, mesh, (cfg.data.batch_size, cfg.data.seq_len))
-        step = jit_train_step(step_fn, p_shard, o_shard, b_shard, mesh, strategy, with_key=dropout)
-        from sharding.strategies import with_activation_constraints
-
-        evaluate = jax.jit(
-            with_activation_constraints(eval_fn, strategy, mesh), in_shardings=(p_shard, e_shard)
-        )
-        place = lambda batch, sharding: {  # noqa: E731
-            k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()
-        }
-    else:
-        opt_state = init_opt_state(optimizer, params, trainable=LoRAParam)
-        step = jax.jit(step_fn, donate_argnums=(0, 1))
-        evaluate = jax.jit(eval_fn)
-        b_shard = e_shard = None
-        place = lambda batch, sharding: {k: jnp.asarray(v) for k, v in batch.items()}  # noqa: E731
-
-    train_it = make_train_iterator(train_ex, pipe)
+    tr = build_trainer(cfg, base_dir, model_cfg, jax.random.fold_in(root, 1))
     dropout_root = jax.random.fold_in(root, 2)
+    train_it = make_train_iterator(data.train, data.pipeline)
     if start:
-        restored = store.restore(start, nnx.state(params, LoRAParam), opt_state)
-        params = nnx.merge_state(params, restored.adapter)
-        opt_state = restored.opt_state
+        restored = store.restore(start, nnx.state(tr.params, LoRAParam), tr.opt_state)
+        tr.params = nnx.merge_state(tr.params, restored.adapter)
+        tr.opt_state = restored.opt_state
         train_it.set_state(restored.trainer["data"])
         saved_key = np.asarray(restored.trainer["dropout_root"], np.uint32)
         if not np.array_equal(saved_key, np.asarray(jax.random.key_data(dropout_root))):
             raise ValueError("the checkpoint's RNG does not match train.seed")
-        say(f"resumed from {store.step_dir(start)} (step {start})")
+        print(f"resumed from {store.step_dir(start)} (step {start})", file=out, flush=True)
 
     meta = {
         "base": str(base_dir),
@@ -470,30 +518,29 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
         "config": config_dict,
     }
     hook = _load_hook(cfg.train.eval_hook) if cfg.train.eval_hook else None
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
 
     def validate() -> float | None:
-        if not val_ex:
+        """Token-weighted loss over one pass of the held-out sessions."""
+        if not data.val:
             return None
         total = count = 0.0
-        for batch in make_eval_iterator(val_ex, pipe):
-            batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids", "positions")}
-            s, n = evaluate(params, place(batch, e_shard))
+        for batch in make_eval_iterator(data.val, data.pipeline):
+            s, n = tr.evaluate(tr.params, tr.feed({k: batch[k] for k in FIELDS}, False))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
-    def save(step_no: int) -> Path:
+    def save(step: int) -> None:
         trainer = {
-            "step": step_no,
+            "step": step,
             "seed": cfg.train.seed,
             "dropout_root": np.asarray(jax.random.key_data(dropout_root)).tolist(),
             "data": train_it.get_state(),
         }
-        path = store.save(
-            step_no, nnx.state(params, LoRAParam), opt_state, trainer, {**meta, "step": step_no}
-        )
+        adapter = nnx.state(tr.params, LoRAParam)
+        path = store.save(step, adapter, tr.opt_state, trainer, {**meta, "step": step})
         if hook is not None:
-            hook(str(path), step_no)
-        return path
+            hook(str(path), step)
 
     log = MetricsLog(
         run_dir,
@@ -511,35 +558,23 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
             t_step = time.time()
             batch = interleave_microbatches([next(train_it) for _ in range(cfg.train.grad_accum)])
             stats = batch_stats(batch)
-            feed = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids", "positions")}
+            feed = {k: batch[k] for k in FIELDS}
             if cfg.train.nan_at_step:
-                poison = np.full(
-                    feed["input_ids"].shape, np.nan if s == cfg.train.nan_at_step else 0.0, np.float32
-                )
-                feed["poison"] = poison
+                bad = s == cfg.train.nan_at_step
+                feed["poison"] = np.full(feed["input_ids"].shape, np.nan if bad else 0.0, np.float32)
             # Step s's dropout key depends on s alone: a resumed run draws the same ones.
-            keys = (jax.random.fold_in(dropout_root, s),) if dropout else ()
-            params, opt_state, metrics = step(params, opt_state, place(feed, b_shard), *keys)
+            keys = (jax.random.fold_in(dropout_root, s),) if tr.with_key else ()
+            tr.params, tr.opt_state, metrics = tr.step(tr.params, tr.opt_state, tr.feed(feed, True), *keys)
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                good = store.latest_step()
-                kept = (
-                    f"the last good checkpoint is step {good} ({store.step_dir(good)})"
-                    if good
-                    else "no checkpoint was written"
-                )
-                raise NonFiniteError(
-                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {s} "
-                    f"(loss={loss}, grad_norm={grad_norm}); stopping without a checkpoint for this step; {kept}"
-                )
+                raise NonFiniteError(_non_finite_message(s, loss, grad_norm, store))
             dt = time.time() - t_step
-            tokens_total += stats["tokens"]
-            time_total += dt
+            tokens_total, time_total = tokens_total + stats["tokens"], time_total + dt
             record = {
                 "step": s,
                 "loss": loss,
                 "grad_norm": grad_norm,
-                "lr": float(schedule(s - 1)),
+                "lr": float(schedule(s - 1)),  # the rate of this step's update (optax counts from 0)
                 "tokens": int(stats["tokens"]),
                 "supervised_tokens": int(stats["supervised_tokens"]),
                 "tokens_per_s": stats["tokens"] / max(dt, 1e-9),
@@ -566,6 +601,20 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
         "checkpoint": str(store.step_dir(final)) if final else None,
         "tokens_per_s": tokens_total / time_total if time_total else None,
     }
+
+
+def _non_finite_message(step: int, loss: float, grad_norm: float, store: Any) -> str:
+    good = store.latest_step()
+    kept = (
+        f"the last good checkpoint is step {good} ({store.step_dir(good)})"
+        if good
+        else "no checkpoint was written"
+    )
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    return (
+        f"non-finite {what} at step {step} (loss={loss}, grad_norm={grad_norm}); "
+        f"stopping without a checkpoint for this step; {kept}"
+    )
 
 
 def _json_args(name: str) -> Any:
