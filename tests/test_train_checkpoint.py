@@ -126,3 +126,19 @@ def test_load_adapter_round_trip(tmp_path, state):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_adapter(empty)
+
+
+def test_a_save_that_fails_half_way_leaves_only_orbax_temporary(tmp_path, state):
+    adapter, opt_state, meta = state
+    store = save_steps(tmp_path, state, [1])
+    # The trainer item cannot be written: the adapter and optimizer items of step 2 may be on
+    # disk already, but the step never appears.
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        store.save(2, adapter, opt_state, {"step": object()}, meta)
+    store.close()
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left[0] == "1" and len(left) == 2 and left[1].startswith("2.orbax-checkpoint-tmp")
+    store = CheckpointStore(tmp_path)  # the next start removes the leftover
+    assert store.complete_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+    store.close()

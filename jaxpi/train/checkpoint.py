@@ -8,7 +8,7 @@ Layout of a run directory (`output.dir`):
     checkpoints/<step>/meta/        JSON: the run config, base checkpoint path, LoRA and model config
     checkpoints/<step>/_CHECKPOINT_METADATA, commit_success.txt   written by orbax
 
-Atomicity: orbax writes every item of a step into `<step>.orbax-checkpoint-tmp-<n>` and renames
+Atomicity: orbax writes every item of a step into `<step>.orbax-checkpoint-tmp` and renames
 it to `<step>` only after all items are on disk (`commit_success.txt` marks it). A killed save
 leaves the temporary directory, which orbax never lists as a step and this module deletes on the
 next start. A step directory missing orbax's metadata or one of our items (a partial copy, a

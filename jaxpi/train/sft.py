@@ -675,6 +675,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
         return 3
     if args.json:
         print(json.dumps(summary, indent=2))
+    elif summary["final_loss"] is None:  # resumed at the last step: nothing left to train
+        print(f"done already: {summary['steps']} steps, checkpoint {summary['checkpoint']}")
     else:
         print(
             f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}"
