@@ -195,17 +195,19 @@ def _stacked(cls: type[nnx.Variable], value: jax.Array, axes: tuple, stacked: bo
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """One adapter to create: where, A's shape, and which stacked rows are selected (None = all)."""
+    """One adapter to create: A's and each B's shape, and which stacked rows are selected (None = all)."""
 
     hf: str
     a_shape: tuple[int, ...]
+    b_shapes: tuple[tuple[int, ...], ...]
     fan_in: int
     rows: tuple[bool, ...] | None
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _init_a(key: jax.Array, plans: tuple[_Plan, ...]) -> list[jax.Array]:
-    """Every A from one stream of uniforms (one random-bits op: XLA compiles one per call site)."""
+def _init_adapters(key: jax.Array, plans: tuple[_Plan, ...]) -> list[tuple[jax.Array, list[jax.Array]]]:
+    """Every (A, [B...]) in one program: A from one stream of uniforms (one random-bits op, so one
+    small compile rather than one per shape), B zeros. Abstract under `nnx.eval_shape`."""
     sizes = [math.prod(p.a_shape) for p in plans]
     u = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)
     out, start = [], 0
@@ -215,7 +217,7 @@ def _init_a(key: jax.Array, plans: tuple[_Plan, ...]) -> list[jax.Array]:
         start += n
         if p.rows is not None:  # unselected layers of a stacked adapter hold zeros
             a = a * jnp.asarray(p.rows, jnp.float32).reshape(-1, *([1] * (a.ndim - 1)))
-        out.append(a)
+        out.append((a, [jnp.zeros(s, jnp.float32) for s in p.b_shapes]))
     return out
 
 
@@ -240,11 +242,16 @@ def _plan_module(
         shape = getattr(module, projs[0]).get_value().shape[len(lead) :]
         n_in = _IN_DIMS.get(projs[0], 1)
         a_shape = (*lead, *shape[:n_in], lcfg.rank)
-        plans.append(_Plan(hf, a_shape, math.prod(shape[:n_in]), None if all(rows) else rows))
+        b_shapes = tuple(
+            (*lead, lcfg.rank, *getattr(module, proj).get_value().shape[len(lead) + n_in :]) for proj in projs
+        )
+        plans.append(_Plan(hf, a_shape, b_shapes, math.prod(shape[:n_in]), None if all(rows) else rows))
     return plans
 
 
-def _attach(module: nnx.Module, plan: _Plan, a: jax.Array, lcfg: LoraConfig, stacked: bool) -> None:
+def _attach(
+    module: nnx.Module, plan: _Plan, a: jax.Array, bs: list[jax.Array], lcfg: LoraConfig, stacked: bool
+) -> None:
     lead = 1 if stacked else 0
     projs = TARGETS[plan.hf][1]
     n_in = _IN_DIMS.get(projs[0], 1)
@@ -253,11 +260,8 @@ def _attach(module: nnx.Module, plan: _Plan, a: jax.Array, lcfg: LoraConfig, sta
         mask = jnp.asarray(np.asarray(plan.rows, np.float32))  # [G]
         setattr(module, mask_name(plan.hf), LoRAMask(mask, out_sharding=("layers",), eager_sharding=False))
     setattr(module, a_name(plan.hf), _stacked(LoRAParam, a, (*axes[:n_in], "lora_rank"), stacked))
-    for proj in projs:
-        w = getattr(module, proj)
-        shape = w.get_value().shape
-        paxes = w.get_metadata()["out_sharding"][lead:]
-        b = jnp.asarray(np.zeros((*shape[:lead], lcfg.rank, *shape[lead + n_in :]), np.float32))
+    for proj, b in zip(projs, bs, strict=True):
+        paxes = getattr(module, proj).get_metadata()["out_sharding"][lead:]
         setattr(module, b_name(proj), _stacked(LoRAParam, b, ("lora_rank", *paxes[n_in:]), stacked))
     module.lora_scale = lcfg.scale
     module.lora_dropout = lcfg.dropout
@@ -285,9 +289,9 @@ def add_lora(
             todo += [
                 (module, plan, stacked) for plan in _plan_module(module, kind, lcfg, layers, chosen, stacked)
             ]
-    arrays = _init_a(key, tuple(plan for _, plan, _ in todo))
-    for (module, plan, stacked), a in zip(todo, arrays, strict=True):
-        _attach(module, plan, a, lcfg, stacked)
+    arrays = _init_adapters(key, tuple(plan for _, plan, _ in todo))
+    for (module, plan, stacked), (a, bs) in zip(todo, arrays, strict=True):
+        _attach(module, plan, a, bs, lcfg, stacked)
     model.lora_config = lcfg
     return model
 

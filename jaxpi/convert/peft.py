@@ -332,11 +332,13 @@ def read_peft(
 def load_peft(model_or_cfg: Qwen3_5ForCausalLM, adapter_dir: str | os.PathLike) -> Qwen3_5ForCausalLM: ...
 @overload
 def load_peft(model_or_cfg: QwenConfig, adapter_dir: str | os.PathLike) -> tuple[LoraConfig, nnx.State]: ...
-def load_peft(model_or_cfg, adapter_dir):
+def load_peft(
+    model_or_cfg: Qwen3_5ForCausalLM | QwenConfig, adapter_dir: str | os.PathLike
+) -> Qwen3_5ForCausalLM | tuple[LoraConfig, nnx.State]:
     """Read a peft LoRA adapter into jaxpi.
 
     Given a model: attaches adapters (or fills the ones it has, which must be the same selection
-    and rank) with the adapter's values, in place, and returns the model. Given a `QwenConfig`:
+    and scale) with the adapter's values, in place, and returns the model. Given a `QwenConfig`:
     returns `(lora_cfg, state)`, the `nnx.State` of `LoRAParam`s that `nnx.update` puts into a
     model of that config after `add_lora(model, lora_cfg)`.
     """
@@ -350,7 +352,10 @@ def load_peft(model_or_cfg, adapter_dir):
     have = getattr(model, "lora_config", None)
     if have is None:
         add_lora(model, lcfg)
-    elif set(select_modules(model.cfg, have)) != set(tensors) or have.rank != lcfg.rank:
+    elif set(select_modules(model.cfg, have)) != set(tensors) or (have.rank, have.scale) != (
+        lcfg.rank,
+        lcfg.scale,
+    ):
         raise ValueError(
             f"the model's adapters ({have}) differ from the adapter in {adapter_dir} ({lcfg}): "
             "load it into a model without adapters"
