@@ -335,3 +335,22 @@ def test_cli_exports_a_trainer_checkpoint(ckpt, tmp_path, capsys):
     want = save_peft(model, PARTIAL, tmp_path / "direct", base_dir=base_dir)
     a, b = load_file(want / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # two more compiles of the model (~20 s); `make test` covers dropout in test_lora
+def test_dropout_masks_do_not_depend_on_layer_scanning(ckpt, tmp_path):
+    """Each layer's key is the step key folded with its HF index: the scanned model and the same
+    adapter loaded (through peft's format) into an unrolled model drop the same inputs."""
+    base_dir = ckpt("causal")
+    lcfg = LoraConfig(rank=4, alpha=8.0, dropout=0.2)
+    scanned = adapted(base_dir, lcfg)
+    adapter = save_peft(scanned, lcfg, tmp_path / "adapter", base_dir=base_dir)
+    _, unrolled = load_hf(base_dir, config_overrides={"scan_layers": False})
+    assert unrolled.groups is None
+    load_peft(unrolled, adapter)
+    assert unrolled.lora_config.dropout == 0.2
+    fwd = jax.jit(lambda m, x, k: m(x, dropout_key=k))
+    key = jax.random.key(7)
+    a, b = np.asarray(fwd(scanned, IDS, key)), np.asarray(fwd(unrolled, IDS, key))
+    assert rel(b, a) < 1e-5
+    assert rel(np.asarray(fwd(scanned, IDS, jax.random.key(8))), a) > 1e-3  # the key matters
