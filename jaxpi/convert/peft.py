@@ -120,7 +120,7 @@ def adapter_tensors(model: Qwen3_5ForCausalLM, lora_cfg: LoraConfig, prefix: str
 def target_modules(cfg: QwenConfig, lora_cfg: LoraConfig, prefix: str) -> list[str] | str:
     """peft's `target_modules` selecting exactly the adapted modules of the HF model.
 
-    A plain list of module names (what people write, and what vLLM expects) when each named
+    A plain list of module names (what people usually write) when each named
     module is adapted in every layer that has it; otherwise a regex peft fullmatches against
     module paths, anchored at the text model's prefix so that nothing outside it (the vision
     tower, which has no modules of these names today) can ever match.
