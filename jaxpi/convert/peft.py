@@ -317,13 +317,17 @@ def read_peft(
                 )
     chosen = sorted(found)
     names = tuple(hf for hf in TARGETS if any(h == hf for _, h in chosen))
+    # The simplest LoraConfig that selects exactly these modules: names, then layers, then a regex.
+    layers = sorted({i for i, _ in chosen})
+    by_layers = {(i, hf) for i, hf, _ in module_paths(cfg) if hf in names and i in layers}
     exact = "|".join(re.escape(f"layers.{i}.{HF_BLOCK[TARGETS[hf][0]]}.{hf}") for i, hf in chosen)
     lcfg = LoraConfig(
         rank=rank,
         alpha=float(raw["lora_alpha"]),
         dropout=float(raw.get("lora_dropout") or 0.0),
         targets=names,
-        pattern=None if _everywhere(cfg, chosen) else f"(?:{exact})",
+        layers=None if _everywhere(cfg, chosen) or set(chosen) != by_layers else tuple(layers),
+        pattern=None if set(chosen) == by_layers else f"(?:{exact})",
     )
     return lcfg, {k: (v["A"], v["B"]) for k, v in found.items()}
 
