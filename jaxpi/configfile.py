@@ -71,6 +71,7 @@ def set_dotted(data: dict[str, Any], cls: type, key: str, raw: str) -> None:
         if not isinstance(child, dict):
             child = node[p] = {}
         node = child
+    # YAML parsing gives lists, null and numbers their types; a str field keeps the text verbatim.
     node[parts[-1]] = raw if _base_type(hint) is str else yaml.safe_load(raw) if raw.strip() else None
 
 

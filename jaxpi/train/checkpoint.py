@@ -59,6 +59,8 @@ class Restored:
 
 def flat_arrays(tree: Any) -> dict[str, Any]:
     """A pytree as `{"a/b/0/c": leaf}` (the names stored on disk)."""
+    # Flat string keys rather than the pytree itself: orbax then needs no knowledge of nnx.State or
+    # optax's named tuples, and the files can be read back without building the model.
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     out = {}
     for path, leaf in leaves:
@@ -92,6 +94,8 @@ class CheckpointStore:
         self.directory = Path(run_dir).absolute() / CHECKPOINTS
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
+        # Synchronous saves: the next step donates (overwrites) the arrays being saved, and a run
+        # killed right after a save must find it on disk.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=False, create=True, cleanup_tmp_directories=True
         )
@@ -136,6 +140,8 @@ class CheckpointStore:
         """Restore `step` onto the structure, dtypes and shardings of the two targets (abstract
         `jax.ShapeDtypeStruct`s with `.sharding`, or real arrays)."""
 
+        # Restoring onto abstract arrays with shardings places every shard directly on its devices
+        # (a resumed sharded run never gathers the adapter or optimizer state on one host).
         def abstract(tree: Any) -> dict[str, jax.ShapeDtypeStruct]:
             return {
                 k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
@@ -170,7 +176,7 @@ def complete_steps(directory: Path) -> list[int]:
         return steps
     for p in directory.iterdir():
         if not p.is_dir() or not p.name.isdigit():
-            continue
+            continue  # orbax's temporaries ("7.orbax-checkpoint-tmp") and anything else
         missing = [x for x in (_ORBAX_MARKER, *ITEMS) if not (p / x).exists()]
         if missing:
             warnings.warn(f"ignoring incomplete checkpoint {p} (no {', '.join(missing)})", stacklevel=2)
@@ -230,6 +236,7 @@ def load_adapter(ckpt_path: str | Path) -> tuple[nnx.State, LoraConfig, dict[str
     model_cfg = QwenConfig.from_hf(meta["model_config"])
     lora_cfg = LoraConfig(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
     target = abstract_adapter(model_cfg, lora_cfg)
+    # Host (CPU) arrays whatever the run trained on: export runs on any machine.
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
         flat = ckptr.restore(
             step_dir / "adapter",

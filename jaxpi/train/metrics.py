@@ -77,6 +77,7 @@ class MetricsLog:
         )
 
     def write(self, record: dict[str, Any]) -> None:
+        # One flushed line per step: a kill loses at most a torn last line, which truncate_jsonl drops.
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         step = int(record["step"])

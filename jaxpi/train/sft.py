@@ -477,7 +477,7 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
     run_dir = Path(cfg.output.dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, keep=cfg.train.keep_checkpoints)
-    start = store.latest_step() or 0
+    start = store.latest_step() or 0  # 0: a fresh run; else resume after this step
     config_dict = to_dict(cfg)
     if start:
         saved = store.manager.restore(start, args=_json_args("meta"))["meta"]["config"]
@@ -531,6 +531,8 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
         return total / max(count, 1.0)
 
     def save(step: int) -> None:
+        # The iterator state is taken after step's batches were drawn: a resume continues with the
+        # batch that step + 1 would have seen.
         trainer = {
             "step": step,
             "seed": cfg.train.seed,
@@ -565,6 +567,8 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
             # Step s's dropout key depends on s alone: a resumed run draws the same ones.
             keys = (jax.random.fold_in(dropout_root, s),) if tr.with_key else ()
             tr.params, tr.opt_state, metrics = tr.step(tr.params, tr.opt_state, tr.feed(feed, True), *keys)
+            # Reading the metrics waits for the step; that is the price of stopping at the first
+            # non-finite step before anything after it is saved.
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(_non_finite_message(s, loss, grad_norm, store))
