@@ -357,3 +357,9 @@ def test_tiny_config_as_shipped(env):
     assert len(records) == summary["steps"] == 12 and all(r["supervised_tokens"] > 0 for r in records)
     assert np.mean([r["loss"] for r in records[-3:]]) < records[0]["loss"] - 0.3
     assert summary["val_loss"] is not None and (out / "base" / "tokenizer.json").exists()
+
+
+def test_resume_refuses_a_different_setup(env, straight):
+    proc = run(env, straight.out, "lora.rank=4", "optim.lr=1e-3", check=False)
+    assert proc.returncode == 2
+    assert "holds a run with a different lora.rank, optim.lr" in proc.stderr
