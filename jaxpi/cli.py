@@ -3,6 +3,10 @@
 jaxpi parity --hf-dir DIR [--seq-len N] [--batch B] [--dtype float32|bfloat16] [--inject BUG] [--json]
 jaxpi convert --from DIR --to OUT [--dtype bfloat16] [--max-shard-size 5GB] [--check] [--json]
 jaxpi tiny-checkpoint OUT [--kind causal|conditional] [--layers N] [--seed S] [--dtype float32]
+jaxpi data check PATHS... [--tokenizer DIR] [--json]
+jaxpi sft --config configs/sft/tiny.yaml [key.sub=value ...] [--json]
+jaxpi export --adapter RUN_OR_CKPT [--base HF_DIR] --out DIR [--merged] [--json]
+jaxpi plan --preset NAME | --model M --mesh SPEC --strategy S ... [--json]
 jaxpi demo [--out DIR] [--json]
 """
 
@@ -13,7 +17,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,29 +100,10 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Tiny random Qwen3.5 checkpoint (transformers) → jaxpi → parity table."""
-    import jax
-    from flax import nnx
+    """Parity, a short LoRA SFT on the demo Pi sessions, export, and the adapter reloaded in peft."""
+    from jaxpi.demo import run_demo
 
-    from jaxpi.config import TINY
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.hf_fixtures import make_checkpoint
-    from jaxpi.parity import run_parity
-
-    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="jaxpi-demo-"))
-    ckpt = root / "tiny-qwen3_5"
-    if not (ckpt / "config.json").exists():
-        cfg = TINY.replace(num_hidden_layers=8)
-        make_checkpoint(ckpt, cfg, kind="conditional", seed=args.seed)
-    cfg, model = load_hf(ckpt)
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if not args.json:
-        print(
-            f"checkpoint: {ckpt}\nmodel: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params"
-        )
-    report = run_parity(ckpt, seq_len=args.seq_len, batch=2, seed=args.seed)
-    _print(report.to_json(), args.json, report.table())
-    return 0 if report.passed else 1
+    return run_demo(args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json)
 
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "sharding"
@@ -306,9 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
 
-    demo = sub.add_parser("demo", help="tiny checkpoint -> jaxpi -> parity table (what `make demo` runs)")
-    demo.add_argument("--out", default=None, help="where to keep the tiny checkpoint (default: a temp dir)")
-    demo.add_argument("--seq-len", type=int, default=48)
+    demo = sub.add_parser(
+        "demo",
+        help="what `make demo` runs: parity table, LoRA SFT on the demo Pi sessions, export, peft reload",
+    )
+    demo.add_argument(
+        "--out", default=None, help="where to keep checkpoints and the run (default: a temp dir)"
+    )
+    demo.add_argument("--seq-len", type=int, default=48, help="sequence length of the parity check")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=cmd_demo)

@@ -78,3 +78,14 @@ def test_console_script_help():
             check=True,
         ).stdout
     )
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path, capsys):
+    """What `make demo` runs: parity passes, the SFT loss falls, the export reloads in peft."""
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parity"]["passed"] is True
+    losses = result["sft"]["losses"]
+    assert len(losses) == result["sft"]["steps"] and losses[-1] < losses[0] - 0.5
+    assert result["reload"]["rel_err_vs_peft"] <= 1e-4 < result["reload"]["adapter_effect"]

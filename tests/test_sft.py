@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 
 from jaxpi.config import TINY
@@ -249,7 +250,8 @@ def test_uninterrupted_run(env, straight):
     assert list((out / "tb").iterdir()), "no TensorBoard events"
     # The adapter loads for export, with the metadata it needs.
     adapter, lora_cfg, meta = load_adapter(out)
-    assert meta["step"] == STEPS and meta["base"] == str(env.base) and lora_cfg.rank == 8
+    assert meta["step"] == STEPS and meta["base"] == str(env.base)
+    assert lora_cfg.rank == yaml.safe_load(TINY_YAML.read_text())["lora"]["rank"]
     assert meta["model_config"]["num_hidden_layers"] == TINY.num_hidden_layers
     assert any(
         float(np.abs(v.get_value()).max()) > 0
