@@ -1,0 +1,318 @@
+"""Effort-ordered GRPO reward and group-relative advantages, as pure functions over one collection.
+
+A collection runs every task `x` at every effort level `e` (low < medium < xhigh by default), a
+group of attempts per level. Only admitted attempts (complete, well-formed, verifier-scored) form
+the group `G(x,e)`. For attempt `i`: `v_i ∈ {0,1}` its verifier outcome, `T_i` its reasoning tokens
+summed over all turns. Equations as numbered in the seed report ("Reward and advantage"):
+
+    (1) S(x,e) = { T_j : j ∈ G(x,e), v_j = 1 }
+    (2) B(x,e) = max(b_min, median S(x,e))            defined only when |S(x,e)| ≥ n_min
+    (3) B_i    = min { B(x,e') : e' ∈ U(e_i), B(x,e') defined }
+               U(e) = the levels above e (U(low) = {medium, xhigh}, U(medium) = {xhigh}, U(xhigh) = ∅)
+    (4) R_i    = 0                                    v_i = 0
+               = 1                                    v_i = 1, no B_i (empty set in (3))
+               = 1/2 + 1/2 · φ(z_i),  z_i = max(0, T_i / B_i − 1)   otherwise
+    (5) A_i    = R_i − mean_{j ∈ G(x,e_i)} R_j        (no std normalisation)
+
+φ is smooth and decreasing with φ(0) = 1 and φ(∞) = 0, so a success always scores in [1/2, 1], a
+success at or under its reference scores exactly 1, and a failure scores 0. A group whose rewards
+are all equal carries no signal: its advantages are exactly 0.
+
+The `binary` kind is the plain GRPO baseline: R_i = v_i, the same (task, level) groups, and
+optionally A_i = (R_i − mean) / (std + eps).
+
+Choices where the report is silent (each is a config field or documented where it acts):
+- φ forms (`RewardConfig.phi`, scale `s = phi_scale`): "exp" φ(z) = exp(−z/s), "rational"
+  φ(z) = 1 / (1 + z/s). Defaults: exp with s = 1 (twice the reference scores 1/2 + 1/(2e) ≈ 0.68).
+- n_min = 2 and b_min = 256 tokens by default; b_min must be > 0 so that (4) never divides by 0.
+- The median of an even number of lengths is the mean of the middle two (`numpy.median`).
+- Attempts with `admitted=False` are outside every group: they define no reference, enter no
+  mean, and get R = 0 and A = 0 (they are not trained on). Their level is still checked.
+- The binary baseline's std is the population std (ddof = 0) of the group's rewards.
+- Ordering ratios T_lower / T_upper use the mean reasoning tokens per admitted attempt at each
+  level, successes and failures alike (the report's "reasoning tokens per attempt by effort
+  level"); with the default levels these are T_L/T_M and T_M/T_H. Above 1.0 is a violation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+KINDS: tuple[str, ...] = ("effort_ordered", "binary")
+
+
+def _phi_exp(z: np.ndarray, s: float) -> np.ndarray:
+    return np.exp(-z / s)
+
+
+def _phi_rational(z: np.ndarray, s: float) -> np.ndarray:
+    return 1.0 / (1.0 + z / s)
+
+
+# name → φ(z, scale); every entry must satisfy φ(0) = 1, decreasing, φ(∞) = 0 (tests check each).
+PHI: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
+    "exp": _phi_exp,
+    "rational": _phi_rational,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One complete Pi session on a task at an effort level, scored once by the task's verifier.
+
+    `reasoning_tokens` counts tokens inside thinking blocks summed over turns (not answers, tool
+    calls or observations). `output_tokens` and `turns` are optional and only feed the per-level
+    summary.
+    """
+
+    task_id: str
+    level: str
+    success: bool
+    reasoning_tokens: int
+    attempt_id: str | None = None
+    admitted: bool = True
+    output_tokens: int | None = None
+    turns: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    kind: str = "effort_ordered"  # "effort_ordered" | "binary" (plain GRPO baseline)
+    levels: tuple[str, ...] = ("low", "medium", "xhigh")  # lowest effort first
+    n_min: int = 2  # successes a (task, level) needs to define a reference
+    b_min: float = 256.0  # floor on a reference, in reasoning tokens
+    phi: str = "exp"  # shaping function, a key of PHI
+    phi_scale: float = 1.0  # s in φ(z / s)
+    std_scale: bool = False  # binary only: divide advantages by the group's std + std_eps
+    std_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        # YAML and the command line hand over lists; the frozen config keeps a hashable tuple.
+        object.__setattr__(self, "levels", tuple(self.levels))
+        errors = []
+        if self.kind not in KINDS:
+            errors.append(f"reward.kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if not self.levels:
+            errors.append("reward.levels must name at least one effort level")
+        elif not all(isinstance(e, str) and e for e in self.levels):
+            errors.append(f"reward.levels must be non-empty strings, got {list(self.levels)}")
+        elif len(set(self.levels)) != len(self.levels):
+            errors.append(f"reward.levels must not repeat a level, got {list(self.levels)}")
+        if isinstance(self.n_min, bool) or not isinstance(self.n_min, int) or self.n_min < 1:
+            errors.append(f"reward.n_min must be an integer >= 1, got {self.n_min!r}")
+        if not (isinstance(self.b_min, int | float) and math.isfinite(self.b_min) and self.b_min > 0):
+            errors.append(f"reward.b_min must be a finite number > 0, got {self.b_min!r}")
+        if self.phi not in PHI:
+            errors.append(f"reward.phi must be one of {list(PHI)}, got {self.phi!r}")
+        if not (
+            isinstance(self.phi_scale, int | float) and math.isfinite(self.phi_scale) and self.phi_scale > 0
+        ):
+            errors.append(f"reward.phi_scale must be a finite number > 0, got {self.phi_scale!r}")
+        if self.std_scale and self.kind != "binary":
+            # The report's reason: std scaling would blow small efficiency penalties up to full size.
+            errors.append(
+                "reward.std_scale is only for kind='binary'; effort_ordered advantages are mean-centred only"
+            )
+        if not self.std_eps > 0:
+            errors.append(f"reward.std_eps must be > 0, got {self.std_eps!r}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelSummary:
+    """Per-level numbers of one collection. Means are over admitted attempts (None when there are
+    none, or when some admitted attempt does not carry the optional count)."""
+
+    scheduled: int  # attempts at this level, admitted or not
+    count: int  # admitted attempts
+    pass_rate: float | None
+    mean_reasoning_tokens: float | None
+    mean_output_tokens: float | None
+    mean_turns: float | None
+    mean_reward: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectionScore:
+    rewards: np.ndarray  # [n] float64, aligned with the attempts
+    advantages: np.ndarray  # [n] float64
+    references: dict[tuple[str, str], float]  # (task, level) → B(x,e), defined ones only
+    levels: dict[str, LevelSummary]  # in cfg.levels order
+    ordering: dict[str, float | None]  # "low/medium" → T_low / T_medium, adjacent levels
+    groups: int  # (task, level) groups with at least one admitted attempt
+    groups_with_signal: int  # of those, groups whose rewards are not all equal
+
+    def metrics(self) -> dict[str, float]:
+        """Flat scalar metrics for a metrics log (undefined numbers are left out)."""
+        out: dict[str, float] = {
+            "reward/groups": float(self.groups),
+            "reward/groups_with_signal": float(self.groups_with_signal),
+            "reward/references": float(len(self.references)),
+        }
+        for name, s in self.levels.items():
+            for field in dataclasses.fields(s):
+                value = getattr(s, field.name)
+                if value is not None:
+                    out[f"level/{name}/{field.name}"] = float(value)
+        for pair, ratio in self.ordering.items():
+            if ratio is not None:
+                out[f"ordering/{pair}"] = ratio
+        return out
+
+
+def phi(z: ArrayLike, kind: str = "exp", scale: float = 1.0) -> np.ndarray:
+    """The shaping function φ of (4) at relative excesses `z ≥ 0`."""
+    if kind not in PHI:
+        raise ValueError(f"unknown phi {kind!r}; known: {list(PHI)}")
+    z = np.asarray(z, dtype=np.float64)
+    if np.any(~(z >= 0)):  # also catches NaN
+        raise ValueError(f"phi is defined for z >= 0, got {z[~(z >= 0)].tolist()}")
+    return PHI[kind](z, float(scale))
+
+
+def _where(i: int, a: Attempt) -> str:
+    who = f"attempt {i} (task {a.task_id!r}"
+    return who + (f", id {a.attempt_id!r})" if a.attempt_id is not None else ")")
+
+
+def _check(attempts: Sequence[Attempt], cfg: RewardConfig) -> None:
+    """Every attempt names a configured level, a boolean outcome and a count ≥ 0."""
+    for i, a in enumerate(attempts):
+        if a.level not in cfg.levels:
+            raise ValueError(
+                f"{_where(i, a)}: level {a.level!r} is not one of reward.levels {list(cfg.levels)}"
+            )
+        if a.success not in (True, False):
+            raise ValueError(f"{_where(i, a)}: success must be a bool, got {a.success!r}")
+        if isinstance(a.reasoning_tokens, bool) or not isinstance(a.reasoning_tokens, int | np.integer):
+            raise ValueError(f"{_where(i, a)}: reasoning_tokens must be an int, got {a.reasoning_tokens!r}")
+        if a.reasoning_tokens < 0:
+            raise ValueError(f"{_where(i, a)}: reasoning_tokens must be >= 0, got {a.reasoning_tokens}")
+
+
+def _groups(attempts: Sequence[Attempt]) -> dict[tuple[str, str], list[int]]:
+    """(task, level) → indices of its admitted attempts, in first-seen order."""
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for i, a in enumerate(attempts):
+        if a.admitted:
+            groups[(a.task_id, a.level)].append(i)
+    return dict(groups)
+
+
+def references(attempts: Sequence[Attempt], cfg: RewardConfig) -> dict[tuple[str, str], float]:
+    """Equations (1)–(2): B(x,e) for every (task, level) with at least n_min admitted successes."""
+    _check(attempts, cfg)
+    successes: dict[tuple[str, str], list[int]] = defaultdict(list)  # S(x,e)
+    for a in attempts:
+        if a.admitted and a.success:
+            successes[(a.task_id, a.level)].append(int(a.reasoning_tokens))
+    return {
+        key: max(float(cfg.b_min), float(np.median(lengths)))
+        for key, lengths in successes.items()
+        if len(lengths) >= cfg.n_min
+    }
+
+
+def applicable_reference(
+    task_id: str, level: str, refs: dict[tuple[str, str], float], cfg: RewardConfig
+) -> float | None:
+    """Equation (3): the leanest defined reference among the levels above `level`, or None."""
+    if level not in cfg.levels:
+        raise ValueError(f"task {task_id!r}: level {level!r} is not one of reward.levels {list(cfg.levels)}")
+    above = cfg.levels[cfg.levels.index(level) + 1 :]  # U(e)
+    defined = [refs[(task_id, e)] for e in above if (task_id, e) in refs]
+    return min(defined) if defined else None
+
+
+def rewards(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
+    """Equation (4) (or R = v for the binary baseline): [n] float64, 0 for non-admitted attempts."""
+    _check(attempts, cfg)
+    out = np.zeros(len(attempts), dtype=np.float64)
+    refs = references(attempts, cfg) if cfg.kind == "effort_ordered" else {}
+    for i, a in enumerate(attempts):
+        if not a.admitted or not a.success:
+            continue  # correctness first: a failure earns nothing however short
+        if cfg.kind == "binary":
+            out[i] = 1.0
+            continue
+        ref = applicable_reference(a.task_id, a.level, refs, cfg)
+        if ref is None:
+            out[i] = 1.0  # xhigh, or no level above has enough successes
+            continue
+        z = max(0.0, a.reasoning_tokens / ref - 1.0)
+        out[i] = 0.5 + 0.5 * float(phi(z, cfg.phi, cfg.phi_scale))
+    return out
+
+
+def advantages(attempts: Sequence[Attempt], rewards: ArrayLike, cfg: RewardConfig) -> np.ndarray:
+    """Equation (5): rewards centred on their (task, level) group's mean; [n] float64.
+
+    Groups whose rewards are all equal get exactly 0 (not a rounding residue). The binary baseline
+    with `std_scale` divides by the group's population std + std_eps.
+    """
+    _check(attempts, cfg)
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.shape != (len(attempts),):
+        raise ValueError(f"rewards has shape {r.shape}, expected ({len(attempts)},), one per attempt")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(
+            f"rewards must be finite, got non-finite values at {np.flatnonzero(~np.isfinite(r)).tolist()}"
+        )
+    out = np.zeros_like(r)
+    for idx in _groups(attempts).values():
+        g = r[idx]
+        if np.all(g == g[0]):
+            continue  # a uniform group carries no signal
+        a = g - g.mean()
+        if cfg.std_scale:
+            a = a / (g.std() + cfg.std_eps)
+        out[idx] = a
+    return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _level_summary(attempts: Sequence[Attempt], r: np.ndarray, level: str) -> LevelSummary:
+    at_level = [i for i, a in enumerate(attempts) if a.level == level]
+    admitted = [i for i in at_level if attempts[i].admitted]
+    outputs = [attempts[i].output_tokens for i in admitted]
+    turns = [attempts[i].turns for i in admitted]
+    return LevelSummary(
+        scheduled=len(at_level),
+        count=len(admitted),
+        pass_rate=_mean([float(attempts[i].success) for i in admitted]),
+        mean_reasoning_tokens=_mean([float(attempts[i].reasoning_tokens) for i in admitted]),
+        mean_output_tokens=None if None in outputs else _mean(outputs),
+        mean_turns=None if None in turns else _mean(turns),
+        mean_reward=_mean([float(r[i]) for i in admitted]),
+    )
+
+
+def score_collection(attempts: Sequence[Attempt], cfg: RewardConfig) -> CollectionScore:
+    """References, rewards, advantages and the per-level report of one collection."""
+    r = rewards(attempts, cfg)
+    adv = advantages(attempts, r, cfg)
+    groups = _groups(attempts)
+    levels = {e: _level_summary(attempts, r, e) for e in cfg.levels}
+    ordering: dict[str, float | None] = {}
+    for lower, upper in zip(cfg.levels, cfg.levels[1:], strict=False):
+        t_lo, t_up = levels[lower].mean_reasoning_tokens, levels[upper].mean_reasoning_tokens
+        ordering[f"{lower}/{upper}"] = None if t_lo is None or not t_up else t_lo / t_up
+    return CollectionScore(
+        rewards=r,
+        advantages=adv,
+        references=references(attempts, cfg),
+        levels=levels,
+        ordering=ordering,
+        groups=len(groups),
+        groups_with_signal=sum(bool(np.any(r[idx] != r[idx[0]])) for idx in groups.values()),
+    )
