@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from jaxpi.configfile import load_config
 from jaxpi.rl import (
     PHI,
     Attempt,
@@ -230,6 +231,7 @@ def test_score_collection_summary_and_ordering():
     assert low.mean_reasoning_tokens == (120 + 240 + 60 + 30) / 4 == 112.5
     assert med.mean_reasoning_tokens == (80 + 120 + 500 + 10) / 4 == 177.5
     assert hi.mean_reasoning_tokens == pytest.approx(450 / 3)
+    assert low.mean_success_reasoning_tokens == 140.0 and hi.mean_success_reasoning_tokens == 200.0
     assert low.mean_output_tokens == 122.5 and low.mean_turns == 2.0
     assert med.mean_output_tokens is None  # not carried by these attempts
     assert score.ordering == {
@@ -297,3 +299,13 @@ def test_config_levels_list_becomes_tuple():
     cfg = RewardConfig(levels=["low", "xhigh"])
     assert cfg.levels == ("low", "xhigh")
     hash(cfg)  # frozen and hashable
+
+
+def test_numpy_scalars_from_a_loop_are_accepted():
+    attempts = [att("t", "low", np.bool_(True), np.int64(7)), att("t", "low", np.bool_(False), np.int32(3))]
+    np.testing.assert_array_equal(rewards(attempts, CFG), [1, 0])
+
+
+def test_config_from_yaml_style_overrides():
+    cfg = load_config(RewardConfig, None, ["levels=[low,xhigh]", "phi=rational", "b_min=100", "n_min=3"])
+    assert cfg == RewardConfig(levels=("low", "xhigh"), phi="rational", b_min=100.0, n_min=3)

@@ -32,6 +32,7 @@ Choices where the report is silent (each is a config field or documented where i
 - Ordering ratios T_lower / T_upper use the mean reasoning tokens per admitted attempt at each
   level, successes and failures alike (the report's "reasoning tokens per attempt by effort
   level"); with the default levels these are T_L/T_M and T_M/T_H. Above 1.0 is a violation.
+  The per-level summary also carries the mean over successes alone, what the references see.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class LevelSummary:
     scheduled: int  # attempts at this level, admitted or not
     count: int  # admitted attempts
     pass_rate: float | None
-    mean_reasoning_tokens: float | None
+    mean_reasoning_tokens: float | None  # per admitted attempt: what the ordering ratios use
+    mean_success_reasoning_tokens: float | None  # over admitted successes only
     mean_output_tokens: float | None
     mean_turns: float | None
     mean_reward: float | None
@@ -291,6 +293,9 @@ def _level_summary(attempts: Sequence[Attempt], r: np.ndarray, level: str) -> Le
         count=len(admitted),
         pass_rate=_mean([float(attempts[i].success) for i in admitted]),
         mean_reasoning_tokens=_mean([float(attempts[i].reasoning_tokens) for i in admitted]),
+        mean_success_reasoning_tokens=_mean(
+            [float(attempts[i].reasoning_tokens) for i in admitted if attempts[i].success]
+        ),
         mean_output_tokens=None if None in outputs else _mean(outputs),
         mean_turns=None if None in turns else _mean(turns),
         mean_reward=_mean([float(r[i]) for i in admitted]),
