@@ -1,0 +1,333 @@
+"""The embedded rollout engine: batched sampling on the model's decode cache, in JAX.
+
+The engine owns a fixed pool of `batch_size` cache rows ("slots", each `max_len` tokens); a
+session holds one slot for its lifetime. Every compiled call runs on the whole pool with a per-row
+`active` mask, and rows outside the mask are left exactly as they were (`select_rows`), so shapes
+never change with the number of live sessions, prompt lengths or turns:
+
+    prefill(T)   feed T tokens to the active rows          one program per T in `prefill_chunks`
+    decode(N)    sample ≤ N tokens per active row          one program per N (a power of two)
+                 in a `lax.while_loop`: sample from the last logits, feed the token back, stop
+                 the row at a stop token or its budget
+
+Prompts are not padded. A pad token would still enter a Gated DeltaNet layer's recurrent state
+(the cache has no way to skip it), so a prompt of n tokens is fed in chunks from
+`prefill_chunks` (e.g. 256 + 32·k + 4·j + 1·i): each call takes the largest chunk that some row
+still fills, and only the rows that fill it take part. Per-token log-probabilities come from the
+logits that sampled the token (no second pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.rollout.engine import Completion, SamplingParams, Session
+from jaxpi.rollout.sampling import sample_tokens
+
+
+def select_rows(mask: jax.Array, new: dict, old: dict) -> dict:
+    """Cache rows from `new` where `mask` [B] is set, else from `old`.
+
+    The batch axis is the one after the stacked-group axis for scanned layers and the first axis
+    elsewhere (the layout `Qwen3_5ForCausalLM.init_cache` builds).
+    """
+
+    def on_axis(axis: int):
+        def pick(n: jax.Array, o: jax.Array) -> jax.Array:
+            shape = [1] * n.ndim
+            shape[axis] = -1
+            return jnp.where(mask.reshape(shape), n, o)
+
+        return pick
+
+    out = {"lengths": jnp.where(mask, new["lengths"], old["lengths"])}
+    if "groups" in old:
+        out["groups"] = jax.tree.map(on_axis(1), new["groups"], old["groups"])
+    out["tail"] = jax.tree.map(on_axis(0), new["tail"], old["tail"])
+    return out
+
+
+@dataclasses.dataclass
+class _Live:
+    slot: int
+    length: int  # tokens already in the slot's cache
+    pending: list[int]  # tokens appended but not yet fed (the prompt, before the first turn)
+
+
+def _bucket(n: int) -> int:
+    """Decode buffer size for n new tokens: the next power of two, at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class JaxEngine:
+    """A `RolloutEngine` on a jaxpi model (base weights plus any LoRA adapters), in-process.
+
+    `max_len` bounds each session's context (prompt + turns + observations); a turn that would
+    overflow it ends with finish_reason "length". `batch_size` is the number of sessions that can
+    be live at once (and the batch every compiled call runs). `dtype` is the KV cache dtype
+    (default: the model's). `update_weights` swaps in new weights of the same shapes without
+    recompiling.
+    """
+
+    def __init__(
+        self,
+        model: Qwen3_5ForCausalLM,
+        *,
+        max_len: int,
+        batch_size: int = 8,
+        dtype: jnp.dtype | str | None = None,
+        prefill_chunks: Sequence[int] = (256, 32, 4, 1),
+    ):
+        chunks = tuple(sorted({int(c) for c in prefill_chunks}, reverse=True))
+        if max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not chunks or chunks[-1] != 1 or chunks[-1] < 1:
+            raise ValueError(f"prefill_chunks must be positive and include 1, got {prefill_chunks}")
+        self.max_len, self.batch_size, self.prefill_chunks = max_len, batch_size, chunks
+        self.vocab_size = model.cfg.vocab_size
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = model.init_cache(batch_size, max_len, dtype)
+        self._last = jnp.zeros((batch_size, self.vocab_size), jnp.float32)  # each slot's next-token logits
+        self._slots: list[int | None] = [None] * batch_size
+        self._live: dict[int, _Live] = {}
+        self._next_id = 0
+        graphdef = self._graphdef
+
+        def forward(state: nnx.State, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+            return nnx.merge(graphdef, state)(tokens, cache=cache)
+
+        def prefill(state, cache, last, tokens, active):
+            logits, new = forward(state, tokens, cache)  # [B, T, V]
+            last = jnp.where(active[:, None], logits[:, -1].astype(jnp.float32), last)
+            return select_rows(active, new, cache), last
+
+        def decode(state, cache, last, budget, row_keys, temperature, top_p, stop_ids, *, n_cap):
+            b = budget.shape[0]
+            carry = (
+                jnp.int32(0),
+                cache,
+                last,
+                budget <= 0,  # done
+                jnp.zeros((b, n_cap), jnp.int32),  # tokens
+                jnp.zeros((b, n_cap), jnp.float32),  # raw log-probs
+                jnp.zeros((b, n_cap), jnp.float32),  # sampling log-probs
+                jnp.zeros((b,), jnp.int32),  # tokens emitted
+                jnp.zeros((b,), bool),  # ended on a stop token
+            )
+
+            def cond(c):
+                return (c[0] < n_cap) & ~jnp.all(c[3])
+
+            def body(c):
+                i, cache, last, done, toks, raw, proc, n_out, stopped = c
+                live = ~done
+                # Key per (row, position in the session): independent of batch layout and turn.
+                keys = jax.vmap(jax.random.fold_in)(row_keys, cache["lengths"])
+                tok, tok_raw, tok_proc = sample_tokens(keys, last, temperature, top_p)
+                toks, raw, proc = (
+                    toks.at[:, i].set(tok),
+                    raw.at[:, i].set(tok_raw),
+                    proc.at[:, i].set(tok_proc),
+                )
+                n_out = n_out + live
+                hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+                # Every emitted token enters the cache, so the next turn continues after it.
+                logits, new = forward(state, tok[:, None], cache)
+                cache = select_rows(live, new, cache)
+                last = jnp.where(live[:, None], logits[:, 0].astype(jnp.float32), last)
+                done = done | hit | (n_out >= budget)
+                return i + 1, cache, last, done, toks, raw, proc, n_out, stopped | hit
+
+            out = jax.lax.while_loop(cond, body, carry)
+            return out[1], out[2], out[4:]
+
+        def reset(cache, last, mask):
+            zeros = jax.tree.map(jnp.zeros_like, cache)
+            return select_rows(mask, zeros, cache), jnp.where(mask[:, None], 0.0, last)
+
+        # The pool (cache, last logits) is donated: each call replaces it in place.
+        self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
+        self._decode = jax.jit(decode, static_argnames=("n_cap",), donate_argnums=(1, 2))
+        self._reset = jax.jit(reset, donate_argnums=(0, 1))
+
+    # ---- weights --------------------------------------------------------------------------------
+    def update_weights(self, model_or_state: Qwen3_5ForCausalLM | nnx.State) -> None:
+        """Use new weights from now on: a model of the same structure, or a (partial) state such
+        as `nnx.state(model, LoRAParam)`. Shapes and dtypes must match, so nothing recompiles."""
+        if isinstance(model_or_state, nnx.Module):
+            _, state = nnx.split(model_or_state)
+        else:
+            current = nnx.merge(self._graphdef, self._state)
+            nnx.update(current, model_or_state)
+            _, state = nnx.split(current)
+        old = jax.tree_util.tree_flatten_with_path(self._state)[0]
+        new = jax.tree_util.tree_flatten_with_path(state)[0]
+        if [p for p, _ in old] != [p for p, _ in new]:
+            raise ValueError(
+                "update_weights: the new weights have a different structure (adapters added or removed?)"
+            )
+        for (path, a), (_, b) in zip(old, new, strict=True):
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"update_weights: {name} is {b.shape} {b.dtype}, expected {a.shape} {a.dtype}"
+                )
+        self._state = state
+
+    def compile_count(self) -> int:
+        """Programs compiled so far (prefill chunk sizes, decode buffer sizes, reset)."""
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._reset))
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def start(self, prompts: Sequence[Sequence[int]]) -> list[Session]:
+        prompts = [self._check_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_len={self.max_len}")
+        free = [s for s, owner in enumerate(self._slots) if owner is None]
+        if len(prompts) > len(free):
+            raise ValueError(
+                f"{len(prompts)} new sessions but only {len(free)} of {self.batch_size} slots are free; "
+                "close finished sessions or build the engine with a larger batch_size"
+            )
+        mask = np.zeros(self.batch_size, bool)
+        sessions = []
+        for p, slot in zip(prompts, free, strict=False):
+            sid, self._next_id = self._next_id, self._next_id + 1
+            self._slots[slot] = sid
+            self._live[sid] = _Live(slot=slot, length=0, pending=list(p))
+            mask[slot] = True
+            sessions.append(Session(sid))
+        if sessions:
+            self._cache, self._last = self._reset(self._cache, self._last, jnp.asarray(mask))
+        return sessions
+
+    def close(self, sessions: Sequence[Session]) -> None:
+        for s in sessions:
+            live = self._live.pop(s.id, None)
+            if live is not None:
+                self._slots[live.slot] = None
+
+    def continue_(
+        self,
+        sessions: Sequence[Session],
+        observations: Sequence[Sequence[int]],
+        params: SamplingParams,
+    ) -> list[Completion]:
+        return self._turn(sessions, observations, params, row_ids=range(len(sessions)))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        out: list[Completion] = []
+        while len(out) < len(prompts):
+            free = self._slots.count(None)
+            if free == 0:
+                raise ValueError("no free slots: every slot holds a live session; close some first")
+            wave = prompts[len(out) : len(out) + free]
+            sessions = self.start(wave)
+            try:
+                rows = range(len(out), len(out) + len(wave))  # keys follow the prompt's index
+                out += self._turn(sessions, [[]] * len(wave), params, row_ids=rows)
+            finally:
+                self.close(sessions)
+        return out
+
+    # ---- one turn -------------------------------------------------------------------------------
+    def _turn(
+        self,
+        sessions: Sequence[Session],
+        observations: Sequence[Sequence[int]],
+        params: SamplingParams,
+        row_ids: Sequence[int],
+    ) -> list[Completion]:
+        if len(sessions) != len(observations):
+            raise ValueError(f"{len(sessions)} sessions but {len(observations)} observations")
+        if len({s.id for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one call")
+        lives, added = [], []
+        for s, obs in zip(sessions, observations, strict=True):  # check all before changing any
+            if s.id not in self._live:
+                raise ValueError(f"session {s.id} is not live (closed, or from another engine)")
+            live = self._live[s.id]
+            obs = self._check_tokens(obs, f"observation for session {s.id}")
+            total = live.length + len(live.pending) + len(obs)
+            if total > self.max_len:
+                raise ValueError(f"session {s.id}: {total} tokens of context exceed max_len={self.max_len}")
+            lives.append(live)
+            added.append(obs)
+        for live, obs in zip(lives, added, strict=True):
+            live.pending += obs
+        self._feed(lives)
+        budget = np.zeros(self.batch_size, np.int32)
+        keys = np.zeros(self.batch_size, np.int32)
+        for live, row in zip(lives, row_ids, strict=False):
+            budget[live.slot] = min(params.max_new_tokens, self.max_len - live.length)
+            keys[live.slot] = row
+        stops = np.full(-(-max(len(params.stop_token_ids), 1) // 8) * 8, -1, np.int32)
+        stops[: len(params.stop_token_ids)] = params.stop_token_ids
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(params.seed), jnp.asarray(keys))
+        self._cache, self._last, (toks, raw, proc, n_out, stopped) = self._decode(
+            self._state,
+            self._cache,
+            self._last,
+            jnp.asarray(budget),
+            row_keys,
+            jnp.float32(params.temperature),
+            jnp.float32(params.top_p),
+            jnp.asarray(stops),
+            n_cap=_bucket(params.max_new_tokens),
+        )
+        toks, raw, proc, n_out, stopped = jax.device_get((toks, raw, proc, n_out, stopped))
+        out = []
+        for live in lives:
+            n = int(n_out[live.slot])
+            out.append(
+                Completion(
+                    token_ids=toks[live.slot, :n].tolist(),
+                    logprobs=raw[live.slot, :n].tolist(),
+                    sampling_logprobs=proc[live.slot, :n].tolist(),
+                    finish_reason="stop" if stopped[live.slot] else "length",
+                    prompt_len=live.length,
+                )
+            )
+            live.length += n
+        return out
+
+    def _feed(self, lives: list[_Live]) -> None:
+        """Prefill every session's pending tokens into its slot, largest fitting chunk first."""
+        remaining = np.zeros(self.batch_size, np.int64)
+        for live in lives:
+            remaining[live.slot] = len(live.pending)
+        offset = np.zeros(self.batch_size, np.int64)
+        by_slot = {live.slot: live for live in lives}
+        while remaining.max() > 0:
+            t = next(c for c in self.prefill_chunks if c <= remaining.max())
+            active = remaining >= t
+            tokens = np.zeros((self.batch_size, t), np.int32)
+            for slot in np.flatnonzero(active):
+                tokens[slot] = by_slot[slot].pending[offset[slot] : offset[slot] + t]
+            self._cache, self._last = self._prefill(
+                self._state, self._cache, self._last, jnp.asarray(tokens), jnp.asarray(active)
+            )
+            offset += np.where(active, t, 0)
+            remaining -= np.where(active, t, 0)
+        for live in lives:
+            live.length += len(live.pending)
+            live.pending = []
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        ids = [int(t) for t in tokens]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return ids

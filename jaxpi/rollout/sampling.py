@@ -1,0 +1,48 @@
+"""Temperature / nucleus sampling and per-token log-probabilities, as pure functions over logits.
+
+For logits ℓ [B, V] (upcast to float32):
+
+    raw      = log_softmax(ℓ)                          what the trainer recomputes (temperature 1)
+    scaled   = ℓ / T
+    keep_v   = mass of tokens strictly more likely than v < top_p   (the nucleus; ties kept)
+    proc     = log_softmax(scaled masked to the nucleus)
+    token    = argmax ℓ                  if T = 0
+             = categorical(key_b, proc)  otherwise
+
+Each row has its own key, so a row's draw does not depend on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def nucleus_logprobs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Log-probabilities `[B, V]` of the processed distribution (temperature > 0)."""
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    desc = -jnp.sort(-logp, axis=-1)  # [B, V], most likely first
+    # Probability mass of the tokens before each one in sorted order; the first is always kept.
+    before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)
+    n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # [B, 1], >= 1
+    cutoff = jnp.take_along_axis(desc, n_keep - 1, axis=-1)  # least likely kept log-prob
+    # Compare log-probs (not ranks) so that tokens tied at the cutoff are all kept.
+    return jax.nn.log_softmax(jnp.where(logp >= cutoff, scaled, -jnp.inf), axis=-1)
+
+
+def sample_tokens(
+    keys: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row. Returns `(tokens [B] int32, raw_logprob [B], sampling_logprob [B])`.
+
+    `keys` holds one PRNG key per row; `temperature` 0 selects the argmax (sampling log-prob 0).
+    """
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    proc = nucleus_logprobs(logits, temperature, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, proc)
+    greedy = temperature <= 0.0
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    at = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
+    return tokens, at(raw), jnp.where(greedy, 0.0, at(proc))
