@@ -61,6 +61,12 @@ class _Live:
     pending: list[int]  # tokens appended but not yet fed (the prompt, before the first turn)
 
 
+def _detach(state: nnx.State) -> nnx.State:
+    """The same arrays in new Variable objects: `nnx.split` hands out the model's own Variables,
+    and the engine must neither see nor make in-place changes to the caller's model."""
+    return jax.tree.map(lambda x: x, state)
+
+
 def _bucket(n: int) -> int:
     """Decode buffer size for n new tokens: the next power of two, at least 16."""
     return max(16, 1 << (n - 1).bit_length())
@@ -94,7 +100,8 @@ class JaxEngine:
             raise ValueError(f"prefill_chunks must be positive and include 1, got {prefill_chunks}")
         self.max_len, self.batch_size, self.prefill_chunks = max_len, batch_size, chunks
         self.vocab_size = model.cfg.vocab_size
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
+        self._state = _detach(state)
         self._cache = model.init_cache(batch_size, max_len, dtype)
         self._last = jnp.zeros((batch_size, self.vocab_size), jnp.float32)  # each slot's next-token logits
         self._slots: list[int | None] = [None] * batch_size
@@ -166,9 +173,10 @@ class JaxEngine:
         if isinstance(model_or_state, nnx.Module):
             _, state = nnx.split(model_or_state)
         else:
-            current = nnx.merge(self._graphdef, self._state)
+            current = nnx.merge(self._graphdef, _detach(self._state))
             nnx.update(current, model_or_state)
             _, state = nnx.split(current)
+        state = _detach(state)
         old = jax.tree_util.tree_flatten_with_path(self._state)[0]
         new = jax.tree_util.tree_flatten_with_path(state)[0]
         if [p for p, _ in old] != [p for p, _ in new]:

@@ -1,0 +1,223 @@
+"""The embedded JAX rollout engine on a tiny random Qwen3.5 with LoRA adapters (fp32, CPU).
+
+One engine serves most tests, so its programs compile once: 9 layers (two scanned groups and an
+unrolled tail, so both cache layouts are masked per row), adapters with non-zero B everywhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpi import TINY, load_hf
+from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+from jaxpi.rollout import Completion, JaxEngine, RolloutEngine, SamplingParams
+from jaxpi.rollout.sampling import nucleus_logprobs, sample_tokens
+
+CFG = TINY.replace(num_hidden_layers=9)
+FWD = jax.jit(lambda m, x: m(x))
+MAX_LEN = 96
+# Engine vs trainer log-probs: the engine's context went through the recurrent (decode) and
+# 16-token-chunk forms of the delta rule, the trainer's through one chunked pass, so fp32 rounding
+# differs; measured up to 1.4e-5 on log-probs near -6 (a few ulp). Wrong weights or an off-by-one
+# position differ by > 1e-2.
+TOL = 2e-5
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+def randomize_lora(model, seed, scale=0.05):
+    state = nnx.state(model, LoRAParam)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        if str(path[-1]).startswith("lora_b_"):
+            var.set_value(scale * jax.random.normal(jax.random.key(seed * 1000 + i), var.get_value().shape))
+    nnx.update(model, state)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = load_hf(make_checkpoint(tmp_path_factory.mktemp("ckpt"), CFG, seed=5))[1]
+    add_lora(m, LoraConfig(rank=4, alpha=8.0))
+    randomize_lora(m, seed=1)
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # Prefill chunks of 16 and 1 keep the compile count low; prompts of 5..37 tokens mix both.
+    return JaxEngine(model, max_len=MAX_LEN, batch_size=4, prefill_chunks=(16, 1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 37, 16, 21)]
+
+
+def trainer_logprobs(model, context, tokens):
+    """log_softmax of one uncached forward over context + tokens, at each sampled token.
+
+    The row is right-padded to the cache length (one compile for every call); the model is causal,
+    so the padding does not reach the positions read here.
+    """
+    seq = list(context) + list(tokens)
+    ids = jnp.asarray([seq + [0] * (MAX_LEN - len(seq))], jnp.int32)
+    logp = jax.nn.log_softmax(FWD(model, ids)[0, : len(seq)].astype(jnp.float32), axis=-1)
+    return np.asarray([logp[len(context) - 1 + i, t] for i, t in enumerate(tokens)]), logp
+
+
+def test_interface(engine):
+    assert isinstance(engine, RolloutEngine)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, CFG.vocab_size]], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], GREEDY)
+
+
+def test_sampled_logprobs_equal_the_trainers_recomputation(engine, model, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=3)
+    out = engine.generate(prompts, params)
+    for p, c in zip(prompts, out, strict=True):
+        assert c.prompt_len == len(p) and c.finish_reason == "length" and len(c.token_ids) == 12
+        ref, _ = trainer_logprobs(model, p, c.token_ids)
+        np.testing.assert_allclose(c.logprobs, ref, atol=TOL, rtol=0)
+        # The processed distribution (top-p 0.9) gives each kept token more mass than the raw one.
+        assert np.all(np.asarray(c.sampling_logprobs) >= np.asarray(c.logprobs) - 1e-6)
+    # Same seed, same tokens; another seed, other tokens.
+    assert engine.generate(prompts, params) == out
+    other = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=4))
+    assert [c.token_ids for c in other] != [c.token_ids for c in out]
+
+
+def test_greedy_is_the_argmax_and_batched_rows_equal_rows_alone(engine, model, prompts):
+    batched = engine.generate(prompts, GREEDY)
+    for p, c in zip(prompts, batched, strict=True):
+        ref, logp = trainer_logprobs(model, p, c.token_ids)
+        np.testing.assert_array_equal(c.token_ids, np.argmax(logp[len(p) - 1 : -1], axis=-1))
+        np.testing.assert_allclose(c.logprobs, ref, atol=TOL, rtol=0)
+        assert c.sampling_logprobs == [0.0] * len(c.token_ids)
+        (alone,) = engine.generate([p], GREEDY)
+        assert alone.token_ids == c.token_ids
+        np.testing.assert_allclose(alone.logprobs, c.logprobs, atol=TOL, rtol=0)
+
+
+def test_multi_turn_continuation_equals_a_fresh_prefill(engine, model, prompts):
+    obs = [[7, 8, 9], list(range(100, 120)), [3], list(range(200, 233))]
+    sessions = engine.start(prompts)
+    turn1 = engine.continue_(sessions, [[]] * 4, SamplingParams(temperature=1.0, max_new_tokens=6, seed=9))
+    turn2 = engine.continue_(sessions, obs, GREEDY)
+    engine.close(sessions)
+    fresh = engine.generate(
+        [p + t.token_ids + o for p, t, o in zip(prompts, turn1, obs, strict=True)], GREEDY
+    )
+    for p, t1, o, t2, f in zip(prompts, turn1, obs, turn2, fresh, strict=True):
+        assert t2.prompt_len == f.prompt_len == len(p) + len(t1.token_ids) + len(o)
+        assert t2.token_ids == f.token_ids
+        np.testing.assert_allclose(t2.logprobs, f.logprobs, atol=TOL, rtol=0)
+        ref, _ = trainer_logprobs(model, p + t1.token_ids + o, t2.token_ids)
+        np.testing.assert_allclose(t2.logprobs, ref, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="not live"):
+        engine.continue_(sessions[:1], [[1]], GREEDY)
+
+
+def test_stop_tokens_and_length(engine, prompts):
+    (free,) = engine.generate(prompts[:1], GREEDY)
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)  # the stop token may also occur earlier
+    (c,) = engine.generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,))
+    )
+    assert c.finish_reason == "stop"
+    assert c.token_ids == free.token_ids[: first + 1]  # the stop token is included
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    # Rows end independently: a row that stops early leaves the others running.
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,)))
+    assert out[0] == c
+    # A session whose context reaches max_len ends its turn with "length".
+    (s,) = engine.start([prompts[1]])
+    (t,) = engine.continue_([s], [list(range(50))], SamplingParams(temperature=0.0, max_new_tokens=15))
+    engine.close([s])
+    assert t.finish_reason == "length" and t.prompt_len == 87 and len(t.token_ids) == 96 - 87
+    with pytest.raises(ValueError, match="max_len"):
+        engine.generate([list(range(97))], GREEDY)
+
+
+def test_small_top_p_only_draws_the_argmax(engine, prompts):
+    greedy = engine.generate(prompts, GREEDY)
+    for seed in range(3):
+        nucleus = engine.generate(
+            prompts, SamplingParams(temperature=1.0, top_p=1e-4, max_new_tokens=10, seed=seed)
+        )
+        assert [c.token_ids for c in nucleus] == [c.token_ids for c in greedy]
+        for c, g in zip(nucleus, greedy, strict=True):
+            np.testing.assert_allclose(c.logprobs, g.logprobs, atol=TOL, rtol=0)
+            np.testing.assert_allclose(c.sampling_logprobs, 0.0, atol=1e-6)  # the only token kept
+
+
+def test_draws_follow_the_softmax(model, prompts):
+    # 20,000 draws of one step from the model's next-token distribution at temperature 1.
+    p = prompts[1]
+    logits = FWD(model, jnp.asarray([p + [0] * (MAX_LEN - len(p))], jnp.int32))[0, len(p) - 1]
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
+    n = 20_000
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, raw, proc = jax.jit(sample_tokens)(keys, jnp.broadcast_to(logits, (n, logits.shape[0])), 1.0, 1.0)
+    np.testing.assert_allclose(raw, np.log(probs[np.asarray(tokens)]), atol=1e-5)
+    np.testing.assert_allclose(proc, raw, atol=1e-5)
+    counts = np.bincount(np.asarray(tokens), minlength=probs.size)
+    # Pearson chi-square over the vocabulary (511 dof: mean 511, sd 32); a wrong distribution
+    # (e.g. temperature 0.5 or a uniform draw) lands in the thousands.
+    expected = n * probs
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 511 + 6 * 32, chi2
+    uniform = np.full_like(probs, n / probs.size)
+    assert float(np.sum((counts - uniform) ** 2 / uniform)) > 511 + 6 * 32
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda p: np.isfinite(np.asarray(nucleus_logprobs(logits, 1.0, p)))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [True, False, False, False]
+    assert kept(0.6) == [True, True, False, False]
+    assert kept(0.9) == [True, True, True, False]
+    assert kept(0.99) == [True, True, True, True]
+    np.testing.assert_allclose(np.exp(nucleus_logprobs(logits, 1.0, 0.6))[0, :2], [0.625, 0.375], rtol=1e-6)
+
+
+def test_update_weights_changes_outputs_without_recompiling(engine, model, prompts):
+    before = engine.generate(prompts, GREEDY)
+    compiled = engine.compile_count()
+    other = nnx.clone(model)
+    randomize_lora(other, seed=2)
+    engine.update_weights(nnx.state(other, LoRAParam))  # only the adapters, as a trainer pushes them
+    after = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    for p, c in zip(prompts, after, strict=True):
+        np.testing.assert_allclose(c.logprobs, trainer_logprobs(other, p, c.token_ids)[0], atol=TOL, rtol=0)
+    engine.update_weights(model)  # a whole model works too
+    assert engine.generate(prompts, GREEDY) == before
+    assert engine.compile_count() == compiled
+    wrong = nnx.state(other, LoRAParam)
+    leaf = next(v for p, v in nnx.to_flat_state(wrong) if str(p[-1]).startswith("lora_b_"))
+    leaf.set_value(jnp.zeros((1, 1)))
+    with pytest.raises(ValueError, match="lora_b_"):
+        engine.update_weights(wrong)
+
+
+def test_slots_are_bounded_and_reused(engine, prompts):
+    sessions = engine.start(prompts)  # all 4 slots
+    with pytest.raises(ValueError, match="slots"):
+        engine.start(prompts[:1])
+    engine.close(sessions)
+    # More prompts than slots run in waves, with keys by prompt index (same as a single wave).
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=1)
+    many = engine.generate(prompts + prompts[:2], params)
+    assert many[:4] == engine.generate(prompts, params)
+    assert all(isinstance(c, Completion) for c in many) and len(many) == 6
