@@ -40,7 +40,8 @@ def loss_and_grad(cfg, new, old, engine, adv, mask, ref=None):
             logp_ref=None if ref is None else jnp.asarray(ref),
         )
 
-    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(new))
+    # One compiled program per call is faster on CPU than dispatching the ops one by one.
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(new))
     return float(loss), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
 
 

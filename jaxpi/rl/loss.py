@@ -57,7 +57,8 @@ class GRPOLossConfig:
 
     `eps`: lower clip range (ratio floor 1 − eps). `eps_high`: upper clip range (ratio ceiling
     1 + eps_high; None = eps, the symmetric PPO clip; a larger value is DAPO's "clip higher").
-    `is_cap`: cap on the engine → trainer importance weight (None = no correction, w = 1).
+    `is_cap`: cap on the engine → trainer importance weight (None = no correction, w = 1; 2 is
+    a common truncated-importance-sampling cap).
     `kl_coef`: weight of the KL penalty to the reference policy (0 = off; then no reference
     logprobs are needed). `kl_estimator`: per-token estimator of KL(π_θ ‖ π_ref) from samples of
     π_θ, with q = logp_ref − logp_new: "k3" = exp(q) − q − 1 (GRPO, DeepSeekMath; unbiased and
