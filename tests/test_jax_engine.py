@@ -4,6 +4,8 @@ One engine serves most tests, so its programs compile once: 9 layers (two scanne
 unrolled tail, so both cache layouts are masked per row), adapters with non-zero B everywhere.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,8 +112,15 @@ def test_greedy_is_the_argmax_and_batched_rows_equal_rows_alone(engine, model, p
 
 def test_multi_turn_continuation_equals_a_fresh_prefill(engine, model, prompts):
     obs = [[7, 8, 9], list(range(100, 120)), [3], list(range(200, 233))]
+    # Turn 1 is sampled, and row 0 ends early on a stop token while the others run on: its
+    # cache must not take the tokens the other rows go on sampling.
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=9)
+    probe = engine.generate(prompts, sampled)
+    sampled = dataclasses.replace(sampled, stop_token_ids=(probe[0].token_ids[1],))
     sessions = engine.start(prompts)
-    turn1 = engine.continue_(sessions, [[]] * 4, SamplingParams(temperature=1.0, max_new_tokens=6, seed=9))
+    turn1 = engine.continue_(sessions, [[]] * 4, sampled)
+    assert turn1[0].finish_reason == "stop" and len(turn1[0].token_ids) <= 2
+    assert max(len(t.token_ids) for t in turn1) == 6
     turn2 = engine.continue_(sessions, obs, GREEDY)
     engine.close(sessions)
     fresh = engine.generate(
