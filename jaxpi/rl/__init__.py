@@ -1,6 +1,17 @@
 """GRPO pieces as pure functions: the effort-ordered reward and its advantages (`jaxpi.rl.reward`),
 the clipped policy loss (`jaxpi.rl.loss`)."""
 
+from jaxpi.rl.loss import (
+    GRPOLossConfig,
+    grpo_loss,
+    grpo_model_loss,
+    kl_estimate,
+    make_grpo_loss_fn,
+    make_grpo_metrics_fn,
+    sequence_logprobs,
+    token_logprobs,
+    trajectory_weights,
+)
 from jaxpi.rl.reward import (
     KINDS,
     PHI,
@@ -21,22 +32,21 @@ __all__ = [
     "PHI",
     "Attempt",
     "CollectionScore",
+    "GRPOLossConfig",
     "LevelSummary",
     "RewardConfig",
     "advantages",
     "applicable_reference",
+    "grpo_loss",
+    "grpo_model_loss",
+    "kl_estimate",
+    "make_grpo_loss_fn",
+    "make_grpo_metrics_fn",
     "phi",
     "references",
     "rewards",
     "score_collection",
+    "sequence_logprobs",
+    "token_logprobs",
+    "trajectory_weights",
 ]
-
-# The loss is exported where its module is present; only that module's absence is tolerated, so an
-# error raised inside it still surfaces here.
-try:
-    from jaxpi.rl.loss import GRPOLossConfig, grpo_loss
-except ModuleNotFoundError as e:
-    if e.name != "jaxpi.rl.loss":
-        raise
-else:
-    __all__ += ["GRPOLossConfig", "grpo_loss"]
