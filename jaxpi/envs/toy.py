@@ -1,0 +1,91 @@
+"""A key-value lookup environment small enough for the tiny model to learn on CPU.
+
+Each task hides a short table of keys -> numbers. The model sees only the key it must resolve,
+calls `get(key)` to read the value, and answers with the number:
+
+    user:      "Value of ka?"
+    assistant: <tool_call> get(key="ka") </tool_call>
+    user:      <tool_response> 37 </tool_response>
+    assistant: "37"                          -> verify: the answer's last integer == 37
+
+Tasks come from a seed (`make_tasks(n, seed)` is deterministic), instructions and observations
+are a few tokens long, and the one tool's schema is ~40 tokens (Pi's four are ~1.2k, too much
+for a 512-id tokenizer and a tiny context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxpi.envs.base import Task, function_tool
+
+TOY_SYSTEM = "Use the tool, then answer with the number."
+TOY_TOOLS: tuple[dict, ...] = (function_tool("get", "Value of a key.", {"key": "string"}, ["key"]),)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_NUMBER = re.compile(r"-?\d+")
+
+
+@dataclasses.dataclass
+class LookupState:
+    table: dict[str, int]
+    target: str
+    calls: list[str] = dataclasses.field(default_factory=list)
+
+
+def make_tasks(n: int, seed: int, *, keys_per_task: int = 3, max_value: int = 100) -> list[Task]:
+    """n tasks, a pure function of (n, seed, keys_per_task, max_value)."""
+    if n < 0 or keys_per_task < 1 or max_value < 1:
+        raise ValueError(
+            f"need n >= 0, keys_per_task >= 1, max_value >= 1; got {n}, {keys_per_task}, {max_value}"
+        )
+    rng = np.random.default_rng(seed)
+    tasks = []
+    for i in range(n):
+        keys: list[str] = []
+        while len(keys) < keys_per_task:
+            k = "".join(rng.choice(list(_LETTERS), 2))
+            if k not in keys:
+                keys.append(k)
+        values = rng.integers(0, max_value, keys_per_task).tolist()
+        target = keys[int(rng.integers(keys_per_task))]
+        tasks.append(
+            Task(
+                task_id=f"lookup-{seed}-{i}",
+                instruction=f"Value of {target}?",
+                tools=TOY_TOOLS,
+                system=TOY_SYSTEM,
+                payload={"table": dict(zip(keys, values, strict=True)), "target": target},
+            )
+        )
+    return tasks
+
+
+class LookupEnv:
+    """`Environment` for `make_tasks`: `get(key)` returns the value or a one-line error."""
+
+    def reset(self, task: Task, seed: int) -> LookupState:
+        del seed  # the world is fully given by the task
+        return LookupState(table=dict(task.payload["table"]), target=str(task.payload["target"]))
+
+    def run_tool(self, state: LookupState, name: str, arguments: Mapping[str, Any]) -> str:
+        if name != "get":
+            return f"error: no tool {name}"
+        key = str(arguments.get("key", "")).strip()
+        state.calls.append(key)
+        if key not in state.table:
+            return f"error: no key {key}"
+        return str(state.table[key])
+
+    def verify(self, state: LookupState, final_answer: str) -> bool:
+        # the last integer in the answer, so "It is 37." passes
+        found = _NUMBER.findall(final_answer)
+        return bool(found) and int(found[-1]) == state.table[state.target]
+
+    def answer(self, state: LookupState) -> int:
+        """The expected answer (for scripted policies and tests)."""
+        return state.table[state.target]
