@@ -323,12 +323,22 @@ def test_jax_engine_end_to_end(tmp_path, tok, cfg):
     engine = Recording(JaxEngine(model, max_len=330, batch_size=6, prefill_chunks=(64, 8, 1)))
     jobs = [(t, lv) for t in make_tasks(2, seed=9) for lv in ("low", "medium", "xhigh")]
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
-    trajs = run_attempts(
-        engine, tok_ckpt, jobs, params, env=LookupEnv(), render_cfg=cfg, max_turns=2, max_tokens=12
+    run = lambda p: run_attempts(  # noqa: E731
+        engine, tok_ckpt, jobs, p, env=LookupEnv(), render_cfg=cfg, max_turns=2, max_tokens=12
     )
-    assert len(trajs) == 6
-    for sid, t in enumerate(trajs):  # one session per job, in order
+    trajs = run(params)
+    # A random model rarely samples <|im_end|>; extra stop ids (a third of the vocabulary) end its
+    # turns early, so the parse / verify path runs on real engine output too.
+    trajs += run(SamplingParams(max_new_tokens=8, seed=4, stop_token_ids=tuple(range(9, 512, 3))))
+    assert len(trajs) == 12
+    assert {t.finish_reason for t in trajs[:6]} == {"length"}
+    assert {t.finish_reason for t in trajs[6:]} - {"length"}  # some turns ended on a stop token
+    for sid, t in enumerate(trajs):  # one session per job, in order (engine session ids count up)
         comps = [c for c, _ in engine.emitted[sid]]
+        if t.finish_reason in ("answer", "malformed"):
+            assert comps[-1].finish_reason == "stop"
+        if t.finish_reason == "malformed":
+            assert t.reason and not t.to_attempt().admitted
         n = len(t.token_ids)
         assert len(t.mask) == len(t.logprobs) == n and n <= engine.max_len
         assert set(t.mask) <= {0, 1} and t.mask[: t.prompt_len] == [0] * t.prompt_len
