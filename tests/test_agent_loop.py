@@ -277,6 +277,30 @@ def test_budgets_end_attempts(tok, cfg):
     # b: turn 1 spent `first` tokens; turn 2 got only what was left of the attempt's budget
     assert engine.calls[-1][0] == [1] and engine.calls[-1][2].max_new_tokens == 10
     assert (b.finish_reason, b.output_tokens, b.turns) == ("length", budget, 2)
+    # c: a well-formed tool turn spends the task's own budget exactly; d: the observation would
+    # fill the context. Neither is continued.
+    tight = Task(
+        "c", tasks[0].instruction, tasks[0].tools, tasks[0].system, Limits(max_tokens=first), tasks[0].payload
+    )
+    engine = ScriptedEngine(tok, [[lookup, long_turn]])
+    (c,) = run_attempts(engine, tok, [(tight, "low")], SamplingParams(), env=LookupEnv(), render_cfg=cfg)
+    assert (c.finish_reason, c.output_tokens, c.turns, len(engine.calls)) == ("max_tokens", first, 1, 1)
+    engine = ScriptedEngine(tok, [[lookup, long_turn]])
+    once = ScriptedEngine(tok, [["1<|im_end|>"]])
+    prompt_len = run_attempts(
+        once, tok, [(tasks[0], "low")], SamplingParams(), env=LookupEnv(), render_cfg=cfg
+    )[0].prompt_len
+    (d,) = run_attempts(
+        engine,
+        tok,
+        [(tasks[0], "low")],
+        SamplingParams(),
+        env=LookupEnv(),
+        render_cfg=cfg,
+        max_context=prompt_len + first + 5,
+    )
+    assert (d.finish_reason, d.turns, len(engine.calls)) == ("length", 1, 1) and "context" in d.reason
+    assert len(d.token_ids) == prompt_len + first  # the unsent observation is not part of the session
     with pytest.raises(ValueError, match="effort level 'turbo'"):
         run_attempts(engine, tok, [(tasks[0], "turbo")], SamplingParams(), env=LookupEnv(), render_cfg=cfg)
 

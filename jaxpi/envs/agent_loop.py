@@ -43,7 +43,11 @@ class Trajectory:
     """One attempt, token-exact (see the module docstring for the layout).
 
     `output_tokens` counts sampled tokens (sum of `mask`); `reasoning_tokens` those inside
-    thinking blocks only. `admitted` is False exactly for malformed attempts, `reason` says why.
+    thinking blocks only. `finish_reason`: "answer" (a final answer, verified), "malformed",
+    "length" (a turn or the context ran out), "max_turns", "max_tokens" (the attempt's sampled-token
+    budget). `admitted` is False exactly for malformed attempts; `reason` says why an attempt
+    ended other than with an answer. `messages` is the conversation as chat messages (tool results
+    included), for re-rendering.
     """
 
     task_id: str
@@ -227,11 +231,14 @@ def run_attempts(
             for i in live:
                 r = runs[i]
                 room = r.max_tokens - r.output
+                if room < 1:
+                    r.end, r.reason = "max_tokens", f"{r.output} sampled tokens spent the attempt's budget"
+                    continue
                 if max_context is not None:
                     room = min(room, max_context - len(r.ids) - len(r.pending))
-                if room < 1:
-                    r.end = "max_tokens"
-                    continue
+                    if room < 1:  # the observation would fill the context: nothing left to sample
+                        r.end, r.reason = "length", f"no room left in a context of {max_context} tokens"
+                        continue
                 groups.setdefault(min(params.max_new_tokens, room), []).append(i)
             for g, (budget, members) in enumerate(sorted(groups.items())):
                 sp = dataclasses.replace(
