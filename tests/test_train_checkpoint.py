@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,10 @@ def test_load_adapter_round_trip(tmp_path, state):
             )
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_adapter(tmp_path / "nowhere")
+    # A path relative to the working directory (`jaxpi export --adapter runs/x`) works too.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path.parent)
+        assert load_adapter(Path(tmp_path.name) / "checkpoints" / "3")[2]["step"] == 3
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):

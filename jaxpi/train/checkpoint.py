@@ -187,7 +187,7 @@ def complete_steps(directory: Path) -> list[int]:
 
 def resolve_step_dir(path: str | Path) -> Path:
     """A run dir (→ its latest complete step), a `checkpoints` dir (same), or one step's dir."""
-    path = Path(path)
+    path = Path(path).absolute()  # orbax restores from absolute paths only
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if (path / "meta").is_dir() and (path / "adapter").is_dir():

@@ -175,11 +175,14 @@ class NonFiniteError(RuntimeError):
 
 # ---- data ----------------------------------------------------------------------------------------
 def session_key(example: Any, index: int) -> str:
-    """The session an example came from (examples of one session stay on one side of the split)."""
+    """The session an example came from (examples of one session stay on one side of the split).
+
+    File sources count by file name (and line), not by directory, so the split does not change when
+    the data is moved or read from another checkout."""
     for name in ("session_id", "session", "source", "path"):
         value = example.get(name) if isinstance(example, dict) else getattr(example, name, None)
         if value:
-            return str(value)
+            return Path(str(value)).name if name in ("source", "path") else str(value)
     return f"example-{index}"
 
 
