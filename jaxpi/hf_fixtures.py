@@ -156,3 +156,32 @@ def _append_mtp(out: Path, cfg: QwenConfig, seed: int) -> None:
         data = json.loads(index_json.read_text())
         data["weight_map"].update({n: files[0].name for n in extra})
         index_json.write_text(json.dumps(data, indent=2))
+
+
+def seeded_noise(state: Any, seed: int = 0) -> Any:
+    """Seeded noise in every variable of an `nnx.State` (abstract ones too, from `nnx.eval_shape`),
+    shaped like real weights: DeltaNet decay `A_log = log U(0.5, 4.5)`, `dt_bias ≈ 1`, norms and
+    conv windows larger than projections, LoRA B non-zero (so gradients reach A). Filling an
+    abstract state skips the model's initialisers, which run slowly op by op on CPU."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+
+    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        shape, name = var.get_value().shape, str(getattr(path[-1], "key", path[-1]))
+        noise = rng.standard_normal(shape)
+        if name == "A_log":
+            value = np.log(rng.uniform(0.5, 4.5, shape))
+        elif name == "dt_bias":
+            value = 1.0 + 0.5 * noise
+        elif "norm" in name:
+            value = 0.2 * noise
+        elif name.startswith("conv"):
+            value = 0.3 * noise
+        else:
+            value = 0.05 * noise
+        return var.replace(jnp.asarray(value, var.get_value().dtype))
+
+    return jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxpi.config import FULL, LINEAR, TINY
+from jaxpi.hf_fixtures import seeded_noise
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.rl.loss import (
@@ -295,21 +296,7 @@ def lora_model():
         lambda: add_lora(Qwen3_5ForCausalLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0)), LoraConfig(rank=4))
     )
     graphdef, state = nnx.split(abstract)
-    rng = np.random.default_rng(0)
-
-    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
-        shape, name = var.get_value().shape, str(path[-1])
-        if name == "A_log":
-            value = np.log(rng.uniform(0.5, 4.5, shape))
-        elif name == "dt_bias":
-            value = 1.0 + 0.5 * rng.standard_normal(shape)
-        else:
-            value = (0.2 if "norm" in name or name.startswith("conv") else 0.05) * rng.standard_normal(shape)
-        return var.replace(jnp.asarray(value, var.get_value().dtype))
-
-    return graphdef, jax.tree_util.tree_map_with_path(
-        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    return graphdef, seeded_noise(state, 0)
 
 
 LR = 0.05

@@ -27,6 +27,7 @@ import yaml
 from flax import nnx
 
 from jaxpi.config import TINY
+from jaxpi.hf_fixtures import seeded_noise
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.train.checkpoint import load_adapter
@@ -46,21 +47,7 @@ def random_lora_model(lcfg: LoraConfig, cfg=TINY, seed: int = 0) -> tuple[nnx.Gr
     built abstractly and filled: running the initialisers eagerly is slow on CPU."""
     abstract = nnx.eval_shape(lambda: add_lora(Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0)), lcfg))
     graphdef, state = nnx.split(abstract)
-    rng = np.random.default_rng(seed)
-
-    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
-        shape, name = var.get_value().shape, str(path[-1])
-        if name == "A_log":
-            value = np.log(rng.uniform(0.5, 4.5, shape))
-        elif name == "dt_bias":
-            value = 1.0 + 0.5 * rng.standard_normal(shape)
-        else:
-            value = (0.2 if "norm" in name or name.startswith("conv") else 0.05) * rng.standard_normal(shape)
-        return var.replace(jnp.asarray(value, var.get_value().dtype))
-
-    return graphdef, jax.tree_util.tree_map_with_path(
-        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    return graphdef, seeded_noise(state, seed)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpi import QWEN3_5_27B, TINY, Qwen3_5ForCausalLM, load_hf, save_hf
+from jaxpi.hf_fixtures import seeded_noise
 from jaxpi.train.step import (
     init_opt_state,
     jit_train_step,
@@ -352,35 +353,12 @@ def test_next_token_loss_matches_numpy():
     assert float(unsupervised) == 0.0
 
 
-def random_params(state: nnx.State, seed: int = 0) -> nnx.State:
-    """Seeded noise in every parameter, norms and DeltaNet decay included (as in
-    `jaxpi.hf_fixtures`), without running the model's initialisers eagerly (slow on CPU)."""
-    rng = np.random.default_rng(seed)
-
-    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
-        shape, name = var.get_value().shape, str(path[-1].key)
-        noise = rng.standard_normal(shape).astype(np.float32)
-        if name == "A_log":
-            value = np.log(rng.uniform(0.5, 4.5, shape)).astype(np.float32)
-        elif name == "dt_bias":
-            value = 1.0 + 0.5 * noise
-        elif "norm" in name:
-            value = 0.2 * noise
-        elif name.startswith("conv"):
-            value = 0.3 * noise
-        else:
-            value = 0.05 * noise
-        return var.replace(value)
-
-    return jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The step on one device, and host copies of everything it started from and produced."""
     abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    host = random_params(state)
+    host = jax.tree.map(np.asarray, seeded_noise(state))  # host copies: the step donates its inputs
     step = make_train_step(graphdef, OPTIMIZER)
     batch = make_batch()
     params = jax.tree.map(jnp.asarray, host)
@@ -523,7 +501,7 @@ def test_trainable_filter_updates_only_that_part():
     optimizer state; everything else passes through bit for bit."""
     abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    params = jax.tree.map(jnp.asarray, random_params(state))
+    params = jax.tree.map(jnp.asarray, seeded_noise(state))
     trainable = nnx.All(nnx.Param, nnx.PathContains("mlp"))
     optimizer = optax.adam(1e-3)
     opt_state = init_opt_state(optimizer, params, trainable=trainable)
