@@ -301,9 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=cmd_demo)
-    from jaxpi.bench import cli as bench_cli
-
-    bench_cli.add_subparser(sub)
     from jaxpi.train import sft as sft_cli
 
     sft_cli.add_subparser(sub)
@@ -314,9 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpi.rl import report as report_cli
 
     report_cli.add_subparser(sub)
-    from jaxpi.rl import trainer as grpo_cli
-
-    grpo_cli.add_subparser(sub)
     return p
 
 
