@@ -126,6 +126,7 @@ def test_ratios_exact_and_non_admitted_attempts_left_out():
     # T_low = (400+200+300)/3 = 300, T_medium = (100+300+200)/3 = 200, T_xhigh = 800.
     assert ratios["low/medium"].value == pytest.approx(1.5)
     assert ratios["medium/xhigh"].value == pytest.approx(0.25)
+    assert ordering_ratios(a, LEVELS) == ratios  # attempts.jsonl-shaped dicts are accepted too
     stats = level_stats(records(a), LEVELS)
     low = stats["low"]
     assert (low.scheduled, low.admitted, low.successes) == (4, 3, 1)

@@ -59,7 +59,8 @@ SEED = 0
 
 
 class Estimate(NamedTuple):
-    """A point estimate with its 95% interval (lo ≤ value ≤ hi for the intervals used here)."""
+    """A point estimate with its 95% interval. Wilson intervals always contain the value; a
+    percentile bootstrap interval does except for pathologically skewed resamples."""
 
     value: float
     lo: float
@@ -266,6 +267,8 @@ def _task_table(attempts: Sequence[RunAttempt], levels: Sequence[str]) -> tuple[
     tasks = sorted({a.task_id for a in attempts})
     row = {t: i for i, t in enumerate(tasks)}
     col = {e: j for j, e in enumerate(levels)}
+    # Per-task totals, not per-attempt rows: a resample is then one weight per task, and the mean of
+    # every level in every resample is one einsum (Σ_t w_t·sum_t / Σ_t w_t·count_t).
     sums = np.zeros((len(tasks), len(levels)))
     counts = np.zeros((len(tasks), len(levels)))
     for a in attempts:
@@ -295,19 +298,28 @@ def _percentile_interval(samples: np.ndarray, value: float) -> Estimate:
     return Estimate(float(value), float(lo), float(hi))
 
 
-def _check_levels(attempts: Sequence[RunAttempt], levels: Sequence[str]) -> None:
+AttemptLike = RunAttempt | dict[str, Any]
+
+
+def _as_attempts(attempts: Sequence[AttemptLike], levels: Sequence[str]) -> list[RunAttempt]:
+    """Records as read by `load_run`, or attempts.jsonl-shaped dicts (checked the same way)."""
     if not levels:
         raise ValueError("levels must name at least one effort level")
-    unknown = sorted({a.level for a in attempts} - set(levels))
+    out = [
+        a if isinstance(a, RunAttempt) else _parse_attempt(a, levels, f"attempt {i}")
+        for i, a in enumerate(attempts)
+    ]
+    unknown = sorted({a.level for a in out} - set(levels))
     if unknown:
         raise ValueError(f"attempts name levels {unknown} that are not in {list(levels)}")
+    return out
 
 
 def level_stats(
-    attempts: Sequence[RunAttempt], levels: Sequence[str], *, n_boot: int = N_BOOT, seed: int = SEED
+    attempts: Sequence[AttemptLike], levels: Sequence[str], *, n_boot: int = N_BOOT, seed: int = SEED
 ) -> dict[str, LevelStats]:
     """Per-level numbers of a set of attempts (normally one step of one split), in `levels` order."""
-    _check_levels(attempts, levels)
+    attempts = _as_attempts(attempts, levels)
     sums, counts = _task_table(attempts, levels)
     boot = _bootstrap_means(sums, counts, n_boot, seed) if sums.shape[0] else None
     out = {}
@@ -343,12 +355,12 @@ def level_stats(
 
 
 def ordering_ratios(
-    attempts: Sequence[RunAttempt], levels: Sequence[str], *, n_boot: int = N_BOOT, seed: int = SEED
+    attempts: Sequence[AttemptLike], levels: Sequence[str], *, n_boot: int = N_BOOT, seed: int = SEED
 ) -> dict[str, Estimate | None]:
     """T_lower / T_upper for each adjacent pair ("low/medium", ...) with a 95% interval from the
     same paired task bootstrap; None when either level has no admitted attempt or T_upper is 0.
     Resamples whose upper level has no attempt or T = 0 are left out of the interval."""
-    _check_levels(attempts, levels)
+    attempts = _as_attempts(attempts, levels)
     sums, counts = _task_table(attempts, levels)
     boot = _bootstrap_means(sums, counts, n_boot, seed) if sums.shape[0] else None
     out: dict[str, Estimate | None] = {}
@@ -416,7 +428,10 @@ def summarize(run: Run, split: str = "eval", step: str | int = "first", *, n_boo
 
 
 def step_series(run: Run, split: str = "eval", window: int = 1, *, n_boot: int = 1000) -> list[Summary]:
-    """One summary per step (or per `window` consecutive steps pooled), in step order."""
+    """One summary per step (or per `window` consecutive steps pooled), in step order.
+
+    Fewer resamples than a single summary: a run has many steps, and the bands only need the 2.5%
+    and 97.5% quantiles to the pixel, not to the third digit."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     chosen, used, note = _select(run, split)
