@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpi.rl import report as report_cli
 
     report_cli.add_subparser(sub)
+    from jaxpi.rl import trainer as grpo_cli
+
+    grpo_cli.add_subparser(sub)
     return p
 
 

@@ -1,0 +1,143 @@
+"""The `jaxpi grpo` run config: frozen dataclasses, each validated where it is built.
+
+    jaxpi grpo --config configs/grpo/tiny.yaml reward.kind=binary output.dir=runs/binary
+
+A run draws `collect.tasks` tasks per collection from a pool of `env.train_tasks`, runs each at
+every level of `reward.levels` with `collect.group` attempts, scores the collection with
+`reward`, and makes one policy update with `loss` and `optim`; `train.collections` such updates.
+`model.adapter` starts the policy from an SFT checkpoint (its base, LoRA shape and tokenizer come
+with it); without one, fresh adapters (`lora`) on `model.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpi.lora import LoraConfig
+from jaxpi.rl.loss import GRPOLossConfig
+from jaxpi.rl.reward import RewardConfig
+from jaxpi.train.schedule import OptimConfig
+from jaxpi.train.sft import ModelConfig
+
+ENVS = ("lookup",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig(ModelConfig):
+    # An SFT checkpoint (run dir, its checkpoints dir or one step dir) to start from; "" = fresh
+    # adapters on `base`. With an adapter, `base`/`tiny_layers` are ignored: the checkpoint names its base.
+    adapter: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    name: str = "lookup"
+    train_tasks: int = 256  # the task pool collections draw from
+    eval_tasks: int = 16  # held-out tasks (another seed) for the evaluation collections
+    seed: int = 0
+    keys_per_task: int = 3
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.name not in ENVS:
+            errors.append(f"env.name must be one of {list(ENVS)}, got {self.name!r}")
+        if self.train_tasks < 1 or self.eval_tasks < 0:
+            errors.append(
+                f"env.train_tasks must be >= 1 and env.eval_tasks >= 0, got {self.train_tasks}, {self.eval_tasks}"
+            )
+        if self.keys_per_task < 1:
+            errors.append(f"env.keys_per_task must be >= 1, got {self.keys_per_task}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectConfig:
+    tasks: int = 4  # tasks per collection
+    group: int = 4  # attempts per (task, level)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 4
+    max_tokens: int = 256  # sampled tokens per attempt, all turns
+    max_new_tokens: int = 128  # per turn
+    max_context: int = 512  # session length (prompt + turns + observations); also the row cap
+    row_bucket: int = 128  # training rows are padded to a multiple of this
+    engine_batch: int = 0  # live sessions in the engine; 0 = every attempt of a collection at once
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("tasks", "group", "max_turns", "max_tokens", "max_new_tokens", "row_bucket"):
+            if getattr(self, name) < 1:
+                errors.append(f"collect.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context < 2:
+            errors.append(f"collect.max_context must be >= 2, got {self.max_context}")
+        if self.engine_batch < 0:
+            errors.append(f"collect.engine_batch must be >= 0 (0 = all at once), got {self.engine_batch}")
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1:
+            errors.append(
+                f"collect.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
+            )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOTrainConfig:
+    collections: int = 20  # policy updates, one per collection
+    grad_accum: int = 1  # microbatches per update (the collection's rows split evenly)
+    seed: int = 0
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 3
+    eval_every: int = 0  # evaluation collection every N updates; 0 = at the start and the end only
+    eval_group: int = 2  # attempts per (held-out task, level)
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("collections", "grad_accum", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_group < 0:
+            errors.append(
+                f"train.eval_every and train.eval_group must be >= 0, got {self.eval_every}, {self.eval_group}"
+            )
+        if not 0 <= self.seed < 2**31:
+            errors.append(f"train.seed must be in [0, 2**31), got {self.seed}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOutputConfig:
+    dir: str = "runs/grpo"
+    name: str = ""  # display name in reports; "" = the directory's name
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    model: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    collect: CollectConfig = dataclasses.field(default_factory=CollectConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    loss: GRPOLossConfig = dataclasses.field(default_factory=GRPOLossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: GRPOTrainConfig = dataclasses.field(default_factory=GRPOTrainConfig)
+    output: GRPOOutputConfig = dataclasses.field(default_factory=GRPOOutputConfig)
+
+    def __post_init__(self) -> None:
+        rows = self.collect.tasks * len(self.reward.levels) * self.collect.group
+        if rows % self.train.grad_accum:
+            raise ValueError(
+                f"a collection has {rows} attempts (collect.tasks x levels x collect.group), "
+                f"which train.grad_accum={self.train.grad_accum} does not divide"
+            )
+        if self.collect.tasks > self.env.train_tasks:
+            raise ValueError(
+                f"collect.tasks={self.collect.tasks} is more than the pool of env.train_tasks={self.env.train_tasks}"
+            )
+
+    @property
+    def rows(self) -> int:
+        """Attempts (and training rows) per collection."""
+        return self.collect.tasks * len(self.reward.levels) * self.collect.group

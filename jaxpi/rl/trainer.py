@@ -1,0 +1,534 @@
+"""`jaxpi grpo`: the collection loop of effort-ordered GRPO (seed report, Algorithm 1).
+
+One iteration, with `s` the number of policy updates made so far:
+
+    evaluate   (s = 0, every train.eval_every, and at the end) held-out tasks × levels × eval_group
+    collect    tasks_s = draw(collect.tasks, seed, s); every task at every level, collect.group each,
+               sampled by the rollout engine with the current adapter, scored once by the verifier
+    score      rewards and advantages from this collection alone (`jaxpi.rl.reward`)
+    update     logp_old = the trainer's log-probabilities of the sampled tokens (before the update);
+               one optimizer step on the GRPO loss over every admitted trajectory (`jaxpi.rl.loss`)
+    push       the new adapter into the engine (same shapes: nothing recompiles)
+    save       every train.checkpoint_every updates: adapter + optimizer state (orbax)
+
+Everything random is a function of (train.seed, s): the task draw, the sampling keys, the
+environment seeds. So a run killed at any point and restarted from its last checkpoint repeats
+the collections after it token for token and ends in the same adapter (on CPU; GPUs need
+deterministic XLA ops). Outputs in `output.dir`:
+
+    run.json        levels, reward, name (what `jaxpi report` needs to read the run)
+    config.json     the whole config
+    attempts.jsonl  one record per attempt (split train|eval, step, task, level, outcome, tokens,
+                    reward, advantage); records of steps after the checkpoint are dropped on resume
+    metrics.jsonl   one record per update: loss, gradient norm, engine/trainer log-prob gap,
+                    importance weights, per-level pass rate / reasoning tokens / admitted share,
+                    ordering ratios (also to TensorBoard under tb/)
+    checkpoints/N   orbax steps, exportable with `jaxpi export` like SFT checkpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpi.configfile import load_config, to_dict
+from jaxpi.rl.config import GRPOConfig
+
+# Sections that define what a checkpoint means: a resumed run must not change them.
+FIXED_ON_RESUME = (
+    "model",
+    "lora",
+    "env",
+    "collect",
+    "reward",
+    "loss",
+    "optim",
+    "train.collections",
+    "train.seed",
+    "train.grad_accum",
+    "train.eval_every",
+    "train.eval_group",
+)
+SPLITS = ("train", "eval")
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+def collection_seed(seed: int, step: int, split: str) -> int:
+    """A 31-bit seed for (run seed, update count, split): sampling keys, environment seeds."""
+    return int(np.random.SeedSequence([seed, step, SPLITS.index(split)]).generate_state(1)[0] >> 1)
+
+
+def draw_tasks(n_pool: int, n: int, seed: int, step: int) -> list[int]:
+    """Indices of the tasks of collection `step`: n distinct tasks of the pool, a function of (seed, step)."""
+    rng = np.random.default_rng([seed, step, 7])
+    return sorted(rng.choice(n_pool, size=n, replace=False).tolist())
+
+
+def changed_keys(saved: dict[str, Any], current: dict[str, Any], keys: Sequence[str]) -> list[str]:
+    """Dotted keys (sections or `section.field`) whose values differ between two config dicts."""
+    diffs = []
+    for key in keys:
+        section, _, field = key.partition(".")
+        a, b = saved.get(section, {}), current.get(section, {})
+        if (a.get(field) if field else a) != (b.get(field) if field else b):
+            diffs.append(key)
+    return diffs
+
+
+def attempt_records(split: str, step: int, trajectories: Sequence[Any], score: Any) -> list[dict[str, Any]]:
+    """The attempts.jsonl lines of one collection (`jaxpi report` reads them)."""
+    out = []
+    for t, r, a in zip(trajectories, score.rewards, score.advantages, strict=True):
+        out.append(
+            {
+                "split": split,
+                "step": step,
+                "collection": step,
+                "task_id": t.task_id,
+                "level": t.level,
+                "attempt_id": t.attempt_id,
+                "admitted": t.admitted,
+                "success": t.success,
+                "reasoning_tokens": t.reasoning_tokens,
+                "output_tokens": t.output_tokens,
+                "turns": t.turns,
+                "finish_reason": t.finish_reason,
+                "reason": t.reason,
+                "reward": float(r),
+                "advantage": float(a),
+            }
+        )
+    return out
+
+
+def level_metrics(
+    prefix: str, trajectories: Sequence[Any], score: Any, levels: Sequence[str]
+) -> dict[str, float]:
+    """Per-level scalars of one collection: the reward module's summary plus the admitted share
+    and reasoning tokens per turn, under `prefix` ("" for training, "eval/" for evaluation)."""
+    out = {f"{prefix}{k}": v for k, v in score.metrics().items()}
+    for level in levels:
+        mine = [t for t in trajectories if t.level == level]
+        kept = [t for t in mine if t.admitted]
+        if mine:
+            out[f"{prefix}level/{level}/admitted_share"] = len(kept) / len(mine)
+        if kept:
+            out[f"{prefix}level/{level}/reasoning_per_turn"] = float(
+                np.mean([t.reasoning_tokens / max(t.turns, 1) for t in kept])
+            )
+    return out
+
+
+def engine_gap_metrics(
+    logp_old: np.ndarray, logp_engine: np.ndarray, mask: np.ndarray, cap: float | None
+) -> dict[str, float]:
+    """Trainer-vs-engine log-prob gap and the importance weights the loss will use, on the
+    supervised tokens (the loss's own view of them, before the update)."""
+    on = mask[:, 1:] > 0
+    if not on.any():
+        return {}
+    diff = (logp_old[:, 1:] - logp_engine[:, 1:])[on]
+    w = np.exp(diff)
+    out = {
+        "logp_diff_mean": float(np.mean(np.abs(diff))),
+        "logp_diff_max": float(np.max(np.abs(diff))),
+        "is_weight_mean": float(np.mean(np.minimum(w, cap) if cap else w)),
+        "is_weight_max": float(np.max(np.minimum(w, cap) if cap else w)),
+    }
+    if cap:
+        out["is_capped_frac"] = float(np.mean(w > cap))
+    return out
+
+
+# ---- I/O -----------------------------------------------------------------------------------------
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_attempts(path: Path, keep_below: int) -> int:
+    """Keep the records of steps < keep_below (a resumed run redoes the rest); drop a torn last
+    line. Returns the number kept."""
+    if not path.exists():
+        return 0
+    kept = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a kill mid-write tears only the last line
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record") from None
+        if rec["step"] < keep_below:
+            kept.append(line)
+    _write_atomic(path, "".join(x + "\n" for x in kept))
+    return len(kept)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Policy:
+    """The trainable adapters, the frozen rest, and what a run needs around them."""
+
+    graphdef: Any
+    train: Any  # nnx.State of LoRAParam
+    rest: Any  # frozen base weights (shared with the engine, never copied)
+    lora: Any  # LoraConfig
+    base_dir: Path
+    tokenizer_dir: Path
+    model_cfg: Any  # QwenConfig
+
+
+def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
+    """Base + adapters: from `model.adapter` (an SFT checkpoint) or fresh ones on `model.base`."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpi.convert.hf import load_hf
+    from jaxpi.lora import LoRAParam, add_lora
+    from jaxpi.train.checkpoint import load_adapter
+    from jaxpi.train.sft import prepare_base
+    from jaxpi.train.step import split_trainable
+
+    adapter = None
+    if cfg.model.adapter:
+        adapter, lora_cfg, meta = load_adapter(cfg.model.adapter)
+        base_dir = Path(meta["base"])
+        tokenizer_dir = Path(meta.get("tokenizer") or base_dir)
+    else:
+        base_dir = prepare_base(cfg, run_dir)  # type: ignore[arg-type]  # reads model.* and train.seed
+        lora_cfg, tokenizer_dir = cfg.lora, base_dir
+    model_cfg, model = load_hf(
+        base_dir, jnp.dtype(cfg.model.dtype), config_overrides={"remat": cfg.model.remat}
+    )
+    add_lora(model, lora_cfg, key=key)
+    if adapter is not None:
+        nnx.update(model, adapter)
+    graphdef, params = nnx.split(model)
+    train, rest = split_trainable(params, LoRAParam)
+    return Policy(graphdef, train, rest, lora_cfg, base_dir, tokenizer_dir, model_cfg)
+
+
+def make_env(cfg: GRPOConfig) -> tuple[Any, list[Any], list[Any]]:
+    """(environment, training task pool, held-out tasks)."""
+    from jaxpi.envs.toy import LookupEnv, make_tasks
+
+    e = cfg.env
+    if e.name == "lookup":
+        pool = make_tasks(e.train_tasks, e.seed, keys_per_task=e.keys_per_task)
+        held = make_tasks(e.eval_tasks, e.seed + 1_000_003, keys_per_task=e.keys_per_task)
+        return LookupEnv(), pool, held
+    raise ValueError(f"unknown env.name {e.name!r}")
+
+
+class Collector:
+    """Runs (task, level) attempts on the engine in waves of at most `engine_batch` sessions."""
+
+    def __init__(self, cfg: GRPOConfig, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
+        self.cfg, self.engine, self.tok, self.env, self.render_cfg = cfg, engine, tokenizer, env, render_cfg
+
+    def run(self, tasks: Sequence[Any], group: int, seed: int) -> list[Any]:
+        from jaxpi.envs.agent_loop import run_attempts
+        from jaxpi.rollout.engine import SamplingParams
+
+        c = self.cfg.collect
+        pairs = [(t, level) for t in tasks for level in self.cfg.reward.levels for _ in range(group)]
+        wave = c.engine_batch or len(pairs)
+        out: list[Any] = []
+        for start in range(0, len(pairs), wave):
+            # Seeds follow the attempt's index in the collection, not the wave layout's.
+            params = SamplingParams(
+                temperature=c.temperature,
+                top_p=c.top_p,
+                max_new_tokens=c.max_new_tokens,
+                seed=seed + 104_729 * start,
+            )
+            out += run_attempts(
+                self.engine,
+                self.tok,
+                pairs[start : start + wave],
+                params,
+                env=self.env,
+                render_cfg=self.render_cfg,
+                max_turns=c.max_turns,
+                max_tokens=c.max_tokens,
+                max_context=c.max_context,
+                seed=seed + start,
+            )
+        return out
+
+
+def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict[str, Any]:
+    """Train (or resume) the run in `cfg.output.dir`; returns the summary `--json` prints."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.lora import LoRAParam
+    from jaxpi.rl.batch import bucket_length, trajectory_batch
+    from jaxpi.rl.loss import make_grpo_loss_fn, sequence_logprobs, trajectory_weights
+    from jaxpi.rl.reward import score_collection
+    from jaxpi.rollout.jax_engine import JaxEngine
+    from jaxpi.train.checkpoint import CheckpointStore
+    from jaxpi.train.metrics import MetricsLog
+    from jaxpi.train.schedule import lr_schedule, make_optimizer
+    from jaxpi.train.step import make_train_step, split_trainable
+
+    out = out or sys.stdout
+    run_dir = Path(cfg.output.dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = CheckpointStore(run_dir, keep=cfg.train.keep_checkpoints)
+    start = store.latest_step() or 0
+    config_dict = to_dict(cfg)
+    if start:
+        from jaxpi.train.checkpoint import read_meta
+
+        saved = read_meta(store.step_dir(start))["config"]
+        diffs = changed_keys(saved, config_dict, FIXED_ON_RESUME)
+        if diffs:
+            raise ValueError(
+                f"{run_dir} holds a run with a different {', '.join(diffs)}; "
+                "resume with the same settings or choose another output.dir"
+            )
+    _write_atomic(run_dir / "config.json", json.dumps(config_dict, indent=2))
+    name = cfg.output.name or run_dir.name
+    run_info = {
+        "name": name,
+        "levels": list(cfg.reward.levels),
+        "reward": to_dict(cfg.reward),
+        "env": cfg.env.name,
+    }
+    _write_atomic(run_dir / "run.json", json.dumps(run_info, indent=2))
+
+    root = jax.random.key(cfg.train.seed)
+    pol = load_policy(cfg, run_dir, jax.random.fold_in(root, 1))
+    tok = load_tokenizer(pol.tokenizer_dir)
+    render_cfg = RenderConfig(tokenizer_dir=str(pol.tokenizer_dir))
+    missing = [lv for lv in cfg.reward.levels if lv not in render_cfg.efforts]
+    if missing:
+        raise ValueError(
+            f"reward.levels {missing} have no effort style (known: {sorted(render_cfg.efforts)})"
+        )
+    env, pool, held = make_env(cfg)
+
+    optimizer = make_optimizer(cfg.optim, cfg.train.collections)
+    graphdef = pol.graphdef
+    step_fn = make_train_step(
+        graphdef,
+        optimizer,
+        loss_fn=make_grpo_loss_fn(cfg.loss),
+        trainable=LoRAParam,
+        accum_steps=cfg.train.grad_accum,
+        weight_fn=trajectory_weights,
+    )
+
+    def update(train: Any, rest: Any, opt_state: Any, batch: dict[str, Any]) -> tuple[Any, Any, Any]:
+        # Only the adapters and their optimizer state come back: the frozen weights stay the very
+        # arrays the engine reads (no copy of the base per update).
+        params, opt_state, metrics = step_fn(nnx.merge_state(train, rest), opt_state, batch)
+        return split_trainable(params, LoRAParam)[0], opt_state, metrics
+
+    update = jax.jit(update, donate_argnums=(2,))
+    logp_fn = jax.jit(lambda train, rest, ids: sequence_logprobs(nnx.merge(graphdef, train, rest), ids))
+    opt_state = jax.jit(optimizer.init)(pol.train)
+    ref_train = pol.train  # the starting policy: the KL reference when loss.kl_coef > 0
+
+    if start:
+        restored = store.restore(start, pol.train, opt_state)
+        pol.train, opt_state = restored.adapter, restored.opt_state
+        if restored.trainer.get("seed") != cfg.train.seed:
+            raise ValueError("the checkpoint's train.seed does not match the config")
+        print(f"resumed from {store.step_dir(start)} (after update {start})", file=out, flush=True)
+
+    engine = JaxEngine(
+        nnx.merge(graphdef, pol.train, pol.rest),
+        max_len=cfg.collect.max_context,
+        batch_size=cfg.collect.engine_batch or cfg.rows,
+    )
+    collector = Collector(cfg, engine, tok, env, render_cfg)
+    attempts_path = run_dir / "attempts.jsonl"
+    truncate_attempts(attempts_path, start)
+    attempts_file = attempts_path.open("a")
+    meta = {
+        "base": str(pol.base_dir),
+        "model_config": pol.model_cfg.to_hf(),
+        "lora": to_dict(pol.lora),
+        "dtype": cfg.model.dtype,
+        "tokenizer": str(pol.tokenizer_dir),
+        "config": config_dict,
+        "kind": "grpo",
+    }
+    schedule = lr_schedule(cfg.optim, cfg.train.collections)
+    log = MetricsLog(
+        run_dir,
+        start_step=start,
+        total_steps=cfg.train.collections,
+        progress=progress,
+        tensorboard=cfg.output.tensorboard,
+    )
+    rows, k = cfg.rows, cfg.train.grad_accum
+    levels = cfg.reward.levels
+
+    def record(split: str, step: int, trajs: list[Any], score: Any) -> None:
+        for rec in attempt_records(split, step, trajs, score):
+            attempts_file.write(json.dumps(rec) + "\n")
+        attempts_file.flush()
+
+    def evaluate(step: int) -> dict[str, float]:
+        if not held or not cfg.train.eval_group:
+            return {}
+        trajs = collector.run(held, cfg.train.eval_group, collection_seed(cfg.train.seed, step, "eval"))
+        score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
+        record("eval", step, trajs, score)
+        m = level_metrics("eval/", trajs, score, levels)
+        print(f"eval   after {step:4d} updates: {_levels_line(m, levels, 'eval/')}", file=out, flush=True)
+        return m
+
+    def logprobs(train: Any, ids: np.ndarray) -> np.ndarray:
+        # In the step's microbatches: the trainer never holds more activations than an update does.
+        parts = [np.asarray(logp_fn(train, pol.rest, jnp.asarray(ids[j::k]))) for j in range(k)]
+        full = np.zeros(ids.shape, np.float32)
+        for j in range(k):
+            full[j::k] = parts[j]
+        return full
+
+    summary: dict[str, Any] = {}
+    t_run = time.time()
+    try:
+        for s in range(start, cfg.train.collections):
+            eval_metrics = (
+                evaluate(s) if s == 0 or (cfg.train.eval_every and s % cfg.train.eval_every == 0) else {}
+            )
+            t0 = time.time()
+            tasks = [pool[i] for i in draw_tasks(len(pool), cfg.collect.tasks, cfg.train.seed, s)]
+            trajs = collector.run(tasks, cfg.collect.group, collection_seed(cfg.train.seed, s, "train"))
+            t_collect = time.time() - t0
+            score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
+            record("train", s, trajs, score)
+
+            t1 = time.time()
+            length = bucket_length(
+                max(len(t.token_ids) for t in trajs), cfg.collect.row_bucket, cfg.collect.max_context
+            )
+            batch = trajectory_batch(trajs, score.advantages, length=length, rows=rows)
+            batch["logp_old"] = logprobs(pol.train, batch["input_ids"])
+            if cfg.loss.kl_coef > 0:
+                batch["logp_ref"] = logprobs(ref_train, batch["input_ids"])
+            gap = engine_gap_metrics(
+                batch["logp_old"], batch["logp_engine"], batch["loss_mask"], cfg.loss.is_cap
+            )
+            pol.train, opt_state, m = update(
+                pol.train, pol.rest, opt_state, {n: jnp.asarray(v) for n, v in batch.items()}
+            )
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+            if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+                raise FloatingPointError(
+                    f"non-finite GRPO loss/gradient norm at update {s + 1} ({loss}, {grad_norm}); "
+                    f"the last checkpoint is step {store.latest_step()}"
+                )
+            engine.update_weights(pol.train)
+            t_update = time.time() - t1
+
+            sampled = sum(t.output_tokens for t in trajs)
+            rec = {
+                "step": s + 1,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": float(schedule(s)),
+                "attempts": len(trajs),
+                "admitted": sum(t.admitted for t in trajs),
+                "sampled_tokens": sampled,
+                "row_length": length,
+                "collect_s": t_collect,
+                "update_s": t_update,
+                "tokens_per_s": sampled / max(t_collect, 1e-9),
+                "time": time.time() - t_run,
+                **gap,
+                **level_metrics("", trajs, score, levels),
+                **eval_metrics,
+            }
+            log.write(rec)
+            print(
+                f"update {s + 1:4d}/{cfg.train.collections}: {_levels_line(rec, levels, '')} | loss {loss:+.4f} "
+                f"| {t_collect:.1f}s collect, {t_update:.1f}s update",
+                file=out,
+                flush=True,
+            )
+            summary = rec
+            if (s + 1) % cfg.train.checkpoint_every == 0 or s + 1 == cfg.train.collections:
+                trainer_state = {"step": s + 1, "seed": cfg.train.seed}
+                store.save(s + 1, pol.train, opt_state, trainer_state, {**meta, "step": s + 1})
+        # Always (re)done: a resume truncates the records of its own step, this one included.
+        summary = {**summary, **evaluate(cfg.train.collections)}
+    finally:
+        attempts_file.close()
+        log.close()
+        store.close()
+    final = store.latest_step()
+    return {
+        "run_dir": str(run_dir),
+        "collections": cfg.train.collections,
+        "resumed_from": start,
+        "checkpoint": str(store.step_dir(final)) if final else None,
+        "last": {k: v for k, v in summary.items() if isinstance(v, (int, float))},
+    }
+
+
+def _levels_line(m: dict[str, Any], levels: Sequence[str], prefix: str) -> str:
+    parts = []
+    for level in levels:
+        p, t = (
+            m.get(f"{prefix}level/{level}/pass_rate"),
+            m.get(f"{prefix}level/{level}/mean_reasoning_tokens"),
+        )
+        parts.append(f"{level} {'-' if p is None else f'{p:.2f}'}/{'-' if t is None else f'{t:.0f}'}t")
+    ratios = [
+        f"T_{a[0].upper()}/T_{b[0].upper()} {m[f'{prefix}ordering/{a}/{b}']:.2f}"
+        for a, b in itertools.pairwise(levels)
+        if f"{prefix}ordering/{a}/{b}" in m
+    ]
+    return "pass/reasoning " + ", ".join(parts) + (" | " + ", ".join(ratios) if ratios else "")
+
+
+# ---- command line --------------------------------------------------------------------------------
+def add_subparser(sub: Any) -> argparse.ArgumentParser:
+    """Register `jaxpi grpo` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "grpo",
+        help="effort-ordered GRPO (or the binary baseline) on an environment; resumes in output.dir",
+        description="Collect attempts at every effort level, score them with the effort-ordered (or binary) "
+        "reward, one LoRA update per collection. Rerunning the same command resumes from the latest "
+        "checkpoint in output.dir. `jaxpi report RUN_DIR` draws the run.",
+    )
+    p.add_argument("--config", required=True, help="YAML file, e.g. configs/grpo/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override any config field")
+    p.add_argument("--json", action="store_true", help="no progress bar; print a JSON summary at the end")
+    p.set_defaults(fn=cmd_grpo)
+    return p
+
+
+def cmd_grpo(args: argparse.Namespace) -> int:
+    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    try:
+        summary = run_grpo(cfg, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
+    except FloatingPointError as e:
+        print(f"jaxpi grpo: {e}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"done: {summary['collections']} updates, checkpoint {summary['checkpoint']}")
+    return 0

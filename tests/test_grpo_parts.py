@@ -1,0 +1,121 @@
+"""The GRPO loop's pure parts: row layout, task draws and seeds, resume bookkeeping, gap metrics,
+and the run config's validation."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxpi.configfile import load_config
+from jaxpi.envs.agent_loop import Trajectory
+from jaxpi.rl.batch import bucket_length, trajectory_batch
+from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.trainer import (
+    FIXED_ON_RESUME,
+    changed_keys,
+    collection_seed,
+    draw_tasks,
+    engine_gap_metrics,
+    truncate_attempts,
+)
+
+
+def traj(ids, mask, logp, *, malformed=False, name="t"):
+    return Trajectory(
+        task_id=name,
+        level="low",
+        token_ids=ids,
+        mask=mask,
+        logprobs=logp,
+        prompt_len=mask.index(1) if 1 in mask else len(mask),
+        reasoning_tokens=0,
+        output_tokens=sum(mask),
+        turns=1,
+        finish_reason="malformed" if malformed else "answer",
+        success=False,
+        malformed=malformed,
+        attempt_id=name,
+    )
+
+
+def test_bucket_length():
+    assert bucket_length(1, 128, 512) == 128
+    assert bucket_length(128, 128, 512) == 128
+    assert bucket_length(129, 128, 512) == 256
+    assert bucket_length(500, 128, 500) == 500  # capped at the context
+    with pytest.raises(ValueError, match="does not fit"):
+        bucket_length(513, 128, 512)
+
+
+def test_trajectory_batch_layout():
+    a = traj([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.5, -0.5], name="a")
+    b = traj([9, 10, 11], [0, 1, 1], [0.0, -2.0, -3.0], malformed=True, name="b")
+    out = trajectory_batch([a, b], [0.5, -0.25], length=6, rows=3)
+    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7, 8, 0, 0], [9, 10, 11, 0, 0, 0], [0] * 6])
+    # The malformed attempt keeps its tokens (for the record) but has no supervised token and no advantage.
+    np.testing.assert_array_equal(out["loss_mask"], [[0, 0, 1, 1, 0, 0], [0] * 6, [0] * 6])
+    np.testing.assert_allclose(out["logp_engine"][0], [0, 0, -1.5, -0.5, 0, 0])
+    np.testing.assert_allclose(out["advantages"], [0.5, 0.0, 0.0])
+    with pytest.raises(ValueError, match="rows hold 3"):
+        trajectory_batch([a], [0.0], length=3)
+    with pytest.raises(ValueError, match="differ in length"):
+        trajectory_batch([traj([1, 2], [0, 1], [0.0])], [0.0], length=4)
+    with pytest.raises(ValueError, match="do not fit 1 rows"):
+        trajectory_batch([a, a], [0.0, 0.0], length=8, rows=1)
+
+
+def test_draws_and_seeds_are_functions_of_seed_and_step():
+    a = draw_tasks(100, 8, seed=0, step=3)
+    assert a == draw_tasks(100, 8, seed=0, step=3) and len(set(a)) == 8 and all(0 <= i < 100 for i in a)
+    assert a != draw_tasks(100, 8, seed=0, step=4) and a != draw_tasks(100, 8, seed=1, step=3)
+    seeds = {collection_seed(s, k, split) for s in (0, 1) for k in range(5) for split in ("train", "eval")}
+    assert len(seeds) == 20 and all(0 <= x < 2**31 for x in seeds)
+
+
+def test_truncate_attempts_keeps_earlier_steps_and_drops_a_torn_line(tmp_path):
+    p = tmp_path / "attempts.jsonl"
+    recs = [{"step": s, "i": i} for s in range(4) for i in range(2)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "i"')
+    assert truncate_attempts(p, 2) == 4
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [0, 0, 1, 1]
+    p.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"attempts.jsonl:2"):
+        truncate_attempts(p, 5)
+    assert truncate_attempts(tmp_path / "none.jsonl", 3) == 0
+
+
+def test_changed_keys():
+    saved = {"reward": {"kind": "binary"}, "train": {"seed": 0, "checkpoint_every": 5, "collections": 9}}
+    same = {"reward": {"kind": "binary"}, "train": {"seed": 0, "checkpoint_every": 2, "collections": 9}}
+    assert changed_keys(saved, same, FIXED_ON_RESUME) == []
+    other = {
+        "reward": {"kind": "effort_ordered"},
+        "train": {"seed": 1, "checkpoint_every": 5, "collections": 9},
+    }
+    assert changed_keys(saved, other, FIXED_ON_RESUME) == ["reward", "train.seed"]
+
+
+def test_engine_gap_metrics_against_the_formula():
+    old = np.array([[0.0, -1.0, -2.0, -0.5]])
+    eng = np.array([[0.0, -1.5, -1.0, -9.0]])
+    mask = np.array([[0, 1, 1, 0]])
+    m = engine_gap_metrics(old, eng, mask, cap=2.0)
+    w = np.minimum(np.exp([0.5, -1.0]), 2.0)
+    assert m["logp_diff_mean"] == pytest.approx(0.75) and m["logp_diff_max"] == pytest.approx(1.0)
+    assert m["is_weight_mean"] == pytest.approx(w.mean()) and m["is_capped_frac"] == 0.0
+    m = engine_gap_metrics(old, eng, mask, cap=1.2)
+    assert m["is_weight_max"] == pytest.approx(1.2) and m["is_capped_frac"] == pytest.approx(0.5)
+    assert engine_gap_metrics(old, eng, np.zeros_like(mask), cap=2.0) == {}
+
+
+def test_config_validation():
+    cfg = load_config(GRPOConfig, "configs/grpo/tiny.yaml")
+    assert cfg.rows == cfg.collect.tasks * 3 * cfg.collect.group
+    with pytest.raises(ValueError, match="does not divide"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["train.grad_accum=5"])
+    with pytest.raises(ValueError, match=r"env\.name"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["env.name=nope"])
+    with pytest.raises(ValueError, match=r"collect\.group"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["collect.group=0"])
+    with pytest.raises(ValueError, match=r"reward\.kind"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.kind=other"])
