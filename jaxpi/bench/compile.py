@@ -1,0 +1,81 @@
+"""Compile time of the LoRA train step against depth: scanned layer groups keep it flat.
+
+Nothing is allocated: the model, its adapters and the optimizer state are abstract
+(`nnx.eval_shape`), and each timed repeat traces, lowers and compiles a fresh `jax.jit` of the
+step (what a user waits for on a cold start, with no compilation cache). One untimed compile of
+the first depth warms up the backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxpi.bench.config import BenchConfig
+from jaxpi.bench.timing import figure
+
+
+def abstract_step(bench: BenchConfig, layers: int) -> tuple[Any, tuple]:
+    """(the un-jitted step, abstract (params, opt_state, batch)) for the bench model at `layers`."""
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.train.step import init_opt_state, make_train_step
+
+    cfg = bench.model.replace(num_hidden_layers=layers)
+    dtype = jnp.dtype(bench.dtype)
+    rank = bench.lora_rank
+
+    def build() -> Qwen3_5ForCausalLM:
+        model = Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        return add_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
+
+    graphdef, params = nnx.split(nnx.eval_shape(build))
+    optimizer = optax.adamw(1e-4)
+    opt_state = jax.eval_shape(lambda p: init_opt_state(optimizer, p, trainable=LoRAParam), params)
+    batch = {"input_ids": jax.ShapeDtypeStruct((bench.batch, bench.seq), jnp.int32)}
+    step = make_train_step(graphdef, optimizer, trainable=LoRAParam)
+    return step, (params, opt_state, batch)
+
+
+def compile_once(step: Any, args: tuple) -> tuple[float, float]:
+    """(trace + lower seconds, compile seconds) of a fresh jit of `step`."""
+    fresh = jax.jit(lambda p, o, b: step(p, o, b), donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    lowered = fresh.lower(*args)
+    t1 = time.perf_counter()
+    lowered.compile()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def compile_bench(bench: BenchConfig, layers: Sequence[int] = (8, 16, 64)) -> dict[str, Any]:
+    """Per depth: trace+lower and compile seconds (figures); ratio of the deepest to the shallowest."""
+    if not layers or min(layers) < 1:
+        raise ValueError(f"compile needs layer counts >= 1, got {list(layers)}")
+    depths = sorted(set(layers))
+    out: dict[str, Any] = {"layers": {}}
+    for i, n in enumerate(depths):
+        step, args = abstract_step(bench, n)
+        if i == 0:
+            for _ in range(bench.warmup):
+                compile_once(step, args)
+        lower, comp = [], []
+        for _ in range(bench.repeats):
+            lo, co = compile_once(step, args)
+            lower.append(lo)
+            comp.append(co)
+        out["layers"][str(n)] = {
+            "lower_s": figure(lower),
+            "compile_s": figure(comp),
+            "total_s": figure([a + b for a, b in zip(lower, comp, strict=True)]),
+        }
+        jax.clear_caches()
+    lo, hi = out["layers"][str(depths[0])], out["layers"][str(depths[-1])]
+    out["ratio_deepest_over_shallowest"] = hi["total_s"]["median"] / lo["total_s"]["median"]
+    out["deepest"], out["shallowest"] = depths[-1], depths[0]
+    return out

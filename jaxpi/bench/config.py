@@ -1,0 +1,171 @@
+"""What a benchmark runs: the model shape, the batch, the LoRA rank, and how often to time it.
+
+`BenchConfig` is the one validated description every sub-benchmark reads; presets are named
+starting points (`tiny` for tests, `mid` for the CPU numbers in docs/performance.md) and any field
+can be overridden from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jaxpi.config import TINY, QwenConfig
+
+# `mid`: the CPU benchmark of docs/performance.md. Hidden 1024 and 8 layers (6 DeltaNet + 2
+# attention), every head dimension the 27B's DeltaNet uses (128), vocabulary 32k: big enough that
+# matmuls dominate, small enough for a 2-core machine to run a 2048-token step in seconds.
+MID = QwenConfig(
+    vocab_size=32_768,
+    hidden_size=1_024,
+    intermediate_size=3_584,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_position_embeddings=32_768,
+    gdn_chunk_size=64,
+)
+
+# (model, seq, batch, lora rank, matmul-peak size) per preset.
+PRESETS: dict[str, tuple[QwenConfig, int, int, int, int]] = {
+    "tiny": (TINY, 64, 1, 4, 256),
+    "mid": (MID, 2048, 1, 16, 2048),
+}
+DTYPES = ("float32", "bfloat16")
+
+
+def default_threads() -> int:
+    """CPUs this process may run on (its affinity mask, which `--threads` narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run. `model` is the full architecture; the other fields say how it is driven.
+
+    `warmup` untimed calls precede `repeats` timed ones (compilation happens in the first warm-up
+    call and is reported apart). `threads`: CPU threads for both XLA and torch (0 = all this
+    process may use). `peak_n`: side of the square matmul whose rate is the MFU denominator.
+    """
+
+    preset: str
+    model: QwenConfig
+    seq: int
+    batch: int = 1
+    dtype: str = "float32"
+    lora_rank: int = 16
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = 0
+    peak_n: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.seq < 2:
+            errors.append(f"seq must be >= 2, got {self.seq}")
+        if self.batch < 1:
+            errors.append(f"batch must be >= 1, got {self.batch}")
+        if self.dtype not in DTYPES:
+            errors.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.lora_rank < 1:
+            errors.append(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if self.repeats < 1:
+            errors.append(f"repeats must be >= 1, got {self.repeats}")
+        if self.warmup < 1:
+            errors.append(f"warmup must be >= 1 (the first call compiles), got {self.warmup}")
+        if self.threads < 0:
+            errors.append(f"threads must be >= 0 (0 = all), got {self.threads}")
+        if self.peak_n < 16:
+            errors.append(f"peak_n must be >= 16, got {self.peak_n}")
+        if errors:
+            raise ValueError("invalid bench config: " + "; ".join(errors))
+        if self.threads == 0:
+            object.__setattr__(self, "threads", default_threads())
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.batch
+
+    def to_json(self) -> dict:
+        m = self.model
+        return {
+            "preset": self.preset,
+            "seq": self.seq,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "lora_rank": self.lora_rank,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "threads": self.threads,
+            "peak_n": self.peak_n,
+            "model": {
+                "hidden_size": m.hidden_size,
+                "intermediate_size": m.intermediate_size,
+                "num_hidden_layers": m.num_hidden_layers,
+                "layer_types": {t: m.layer_types.count(t) for t in sorted(set(m.layer_types))},
+                "vocab_size": m.vocab_size,
+                "attention_heads": [m.num_attention_heads, m.num_key_value_heads, m.head_dim],
+                "deltanet_heads": [
+                    m.linear_num_key_heads,
+                    m.linear_num_value_heads,
+                    m.linear_key_head_dim,
+                    m.linear_value_head_dim,
+                ],
+                "gdn_chunk_size": m.gdn_chunk_size,
+                "remat": m.remat,
+            },
+        }
+
+
+def make_config(
+    preset: str = "tiny",
+    *,
+    hidden: int | None = None,
+    layers: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    remat: str | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    lora_rank: int | None = None,
+    peak_n: int | None = None,
+    **fields: object,
+) -> BenchConfig:
+    """A preset with overrides (None = the preset's value)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown bench preset {preset!r}; choose one of {sorted(PRESETS)}")
+    model, p_seq, p_batch, p_rank, p_peak = PRESETS[preset]
+    changes = {
+        k: v
+        for k, v in {
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "intermediate_size": intermediate,
+            "vocab_size": vocab,
+            "remat": remat,
+        }.items()
+        if v is not None
+    }
+    if changes:
+        model = model.replace(**changes)
+    seq = p_seq if seq is None else seq
+    if seq > model.max_position_embeddings:
+        model = model.replace(max_position_embeddings=seq)
+    return BenchConfig(
+        preset=preset,
+        model=model,
+        seq=seq,
+        batch=p_batch if batch is None else batch,
+        lora_rank=p_rank if lora_rank is None else lora_rank,
+        peak_n=p_peak if peak_n is None else peak_n,
+        **fields,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,85 @@
+"""The jaxpi LoRA SFT step, timed: tokens/s, model FLOP/s and MFU.
+
+The step is the one `jaxpi sft` runs (`jaxpi.train.step.make_train_step`, LoRA on every linear
+layer, AdamW on the adapter, next-token loss over all positions), loaded from a HF checkpoint on
+disk with `load_hf`, jitted with the parameters and optimizer state donated, and called on the
+same token batch every repeat.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpi.bench.config import BenchConfig
+from jaxpi.bench.flops import train_step_flops
+from jaxpi.bench.timing import figure, rate, timed
+
+LR = 1e-4  # the same in the torch step; the value only matters for not diverging
+
+
+def bench_tokens(bench: BenchConfig) -> np.ndarray:
+    """The token batch `[batch, seq]` both frameworks train on (seeded)."""
+    rng = np.random.default_rng(bench.seed)
+    return rng.integers(0, bench.model.vocab_size, (bench.batch, bench.seq), dtype=np.int64)
+
+
+def write_checkpoint(bench: BenchConfig, out_dir: str | Path) -> Path:
+    """A random HF checkpoint of the bench model, written by `transformers` (fp32 on disk; each
+    framework loads it in the bench dtype)."""
+    from jaxpi.hf_fixtures import make_checkpoint
+
+    return make_checkpoint(out_dir, bench.model, seed=bench.seed, dtype="float32")
+
+
+def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak: float) -> dict[str, Any]:
+    """Load `ckpt`, attach adapters, compile the step, time it. `peak`: matmul FLOP/s for MFU."""
+    from jaxpi.convert.hf import load_hf
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+    from jaxpi.train.step import init_opt_state, make_train_step
+
+    m = bench.model
+    t0 = time.perf_counter()
+    _, model = load_hf(
+        ckpt, bench.dtype, config_overrides={"remat": m.remat, "gdn_chunk_size": m.gdn_chunk_size}
+    )
+    add_lora(model, LoraConfig(rank=bench.lora_rank, alpha=2.0 * bench.lora_rank), key=jax.random.key(1))
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adamw(LR)
+    opt_state = init_opt_state(optimizer, params, trainable=LoRAParam)
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32)}
+    load_s = time.perf_counter() - t0
+
+    step = jax.jit(make_train_step(graphdef, optimizer, trainable=LoRAParam), donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    carry = [params, opt_state]
+    losses: list[jax.Array] = []
+
+    def call() -> jax.Array:
+        carry[0], carry[1], metrics = compiled(carry[0], carry[1], batch)
+        losses.append(metrics["loss"])
+        return metrics["loss"]
+
+    times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
+    flops = train_step_flops(m, seq=bench.seq, batch=bench.batch, lora_rank=bench.lora_rank)
+    return {
+        "step_s": figure(times),
+        "tokens_per_s": rate(bench.tokens, times),
+        "flop_per_s": rate(flops["total"], times),
+        "mfu": figure([flops["total"] / t / peak for t in times]),
+        "compile_s": compile_s,
+        "first_call_s": first_s,
+        "load_s": load_s,
+        "loss_first": float(losses[0]),
+        "loss_last": float(losses[-1]),
+    }

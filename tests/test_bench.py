@@ -1,0 +1,198 @@
+"""`jaxpi bench`: the analytic FLOP count against a hand count, the model and XLA; every subcommand
+run through the CLI on the tiny config, checking that the report's fields are present and sane.
+
+Speed is measured, never asserted: the figures only have to be finite, positive, ordered
+(min ≤ median ≤ max) and consistent with each other.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpi import cli
+from jaxpi.bench.cli import format_table
+from jaxpi.bench.compile import abstract_step
+from jaxpi.bench.config import make_config
+from jaxpi.bench.flops import lora_params, matmul_params, train_step_flops
+from jaxpi.config import FULL, LINEAR, TINY
+
+# One layer of each type: d 64, I 128, attention 4 q / 2 kv heads of 32, DeltaNet 2 k / 6 v
+# heads of 16, vocab 512, chunk 16.
+TWO = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+COMMON = ["--preset", "tiny", "--seq", "32", "--repeats", "2", "--warmup", "1", "--json"]
+
+
+def test_flops_match_a_hand_count():
+    # attention: q+gate 64·4·64, k and v 2·64·2·32, o 4·32·64
+    attn = 64 * 4 * 64 + 2 * 64 * 2 * 32 + 4 * 32 * 64
+    # DeltaNet: in_proj_qkv 64·(16·2 + 16·2 + 16·6), z 64·96, b and a 2·64·6, out 96·64
+    gdn = 64 * 160 + 64 * 96 + 2 * 64 * 6 + 96 * 64
+    mlp = 3 * 64 * 128
+    head = 64 * 512
+    assert matmul_params(TWO) == attn + gdn + 2 * mlp + head == 137_984
+    r = 4
+    lora_attn = r * ((64 + 256) + 2 * (64 + 64) + (128 + 64))
+    lora_gdn = r * ((64 + 160) + (64 + 96) + 2 * (64 + 6) + (96 + 64))
+    lora_mlp = r * (2 * (64 + 128) + (128 + 64))
+    assert lora_params(TWO, r) == lora_attn + lora_gdn + 2 * lora_mlp
+
+    f = train_step_flops(TWO, seq=32, batch=2, lora_rank=r)
+    t = 64  # tokens
+    expected = {
+        "projections": 4 * (attn + gdn + 2 * mlp) * t,
+        "lm_head": 4 * head * t,
+        "lora": 6 * lora_params(TWO, r) * t,
+        "attention": 3 * 2 * (2 * 32 * 32 * 4 * 32),  # batch 2, causal half of QKᵀ and PV
+        "deltanet": 3 * 2 * t * 6 * (16 * (3 * 16 + 2 * 16) + 3 * 16 * 16),
+    }
+    assert f["parts"] == pytest.approx(expected)
+    assert f["total"] == pytest.approx(sum(expected.values()))
+
+
+def test_flop_counts_match_the_model_parameters():
+    """P and P_lora counted from the config equal the real model's matmul and adapter weights."""
+    from jaxpi.lora import LoraConfig, LoRAParam
+
+    step_inputs = abstract_step(make_config("tiny", layers=4, seq=32), 4)[1]
+    params = step_inputs[0]
+    frozen = lora = 0
+    for path, var in nnx.to_flat_state(params):
+        name, n = str(path[-1]), math.prod(var.get_value().shape)
+        if isinstance(var, LoRAParam):
+            lora += n
+        elif var.get_value().ndim >= 2 and name != "embed" and not name.startswith("conv"):
+            frozen += n
+    cfg = TINY.replace(num_hidden_layers=4)
+    assert frozen == matmul_params(cfg)
+    assert lora == lora_params(cfg, make_config("tiny").lora_rank)
+    assert LoraConfig().targets  # every linear target is adapted, as the bench does
+
+
+def test_flops_agree_with_xla_cost_analysis():
+    """XLA counts every op of the compiled step (elementwise, full attention scores, the DeltaNet
+    inverse), so it lands a little above the model-FLOP count; 4 layers are unrolled (XLA counts a
+    scanned loop body once, not per trip)."""
+    bench = make_config("tiny", layers=4, seq=64)
+    step, args = abstract_step(bench, 4)
+    cost = jax.jit(step).lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    analytic = train_step_flops(bench.model, seq=64, batch=1, lora_rank=bench.lora_rank)["total"]
+    assert 0.9 <= cost["flops"] / analytic <= 1.5, (cost["flops"], analytic)
+
+
+def _run(capsys, *argv: str) -> dict:
+    assert cli.main(["bench", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check_figure(fig: dict, repeats: int = 2) -> None:
+    assert fig["repeats"] == repeats == len(fig["values"])
+    assert all(math.isfinite(v) and v > 0 for v in fig["values"])
+    assert fig["min"] <= fig["median"] <= fig["max"]
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    return {}
+
+
+def test_train_step_vs_torch(capsys, reports):
+    rep = _run(capsys, "train-step", *COMMON, "--vs", "torch", "--peak-n", "128")
+    reports["train-step"] = rep
+    env = rep["env"]
+    assert env["threads"] >= 1 and env["jax"] == jax.__version__ and env["torch"] and env["peft"]
+    r = rep["results"]["train_step"]
+    j, t = r["jaxpi"], r["torch"]
+    for fig in (j["step_s"], j["tokens_per_s"], j["flop_per_s"], j["mfu"], t["step_s"], t["tokens_per_s"]):
+        _check_figure(fig)
+    _check_figure(r["peak"]["flop_per_s"], repeats=3)
+    assert 0 < j["mfu"]["median"] < 1.5 and 0 < t["mfu"] < 1.5
+    assert j["compile_s"] > 0
+    # tokens/s and FLOP/s of each repeat are the step's tokens and model FLOPs over its time
+    assert r["flops"]["total"] == pytest.approx(
+        train_step_flops(TINY, seq=32, batch=1, lora_rank=rep["config"]["lora_rank"])["total"]
+    )
+    for tok, fl, s in zip(
+        j["tokens_per_s"]["values"], j["flop_per_s"]["values"], j["step_s"]["values"], strict=True
+    ):
+        assert tok == pytest.approx(32 / s) and fl == pytest.approx(r["flops"]["total"] / s)
+    assert r["speedup_tokens_per_s"] == pytest.approx(
+        j["tokens_per_s"]["median"] / t["tokens_per_s"]["median"]
+    )
+    # Same checkpoint, tokens and zero-initialised B: the first step's loss is the base model's in both.
+    assert j["loss_first"] == pytest.approx(t["loss_first"], rel=1e-5)
+    assert t["lora_params"] == r["flops"]["lora_params"]
+
+
+def test_gdn_vs_torch(capsys, reports):
+    rep = _run(capsys, "gdn", *COMMON)
+    reports["gdn"] = rep
+    g = rep["results"]["gdn"]
+    for side in ("jaxpi", "torch"):
+        _check_figure(g[side]["fwd_s"])
+        _check_figure(g[side]["fwd_bwd_s"])
+    assert g["speedup_fwd"] == pytest.approx(g["torch"]["fwd_s"]["median"] / g["jaxpi"]["fwd_s"]["median"])
+    assert g["speedup_fwd_bwd"] == pytest.approx(
+        g["torch"]["fwd_bwd_s"]["median"] / g["jaxpi"]["fwd_bwd_s"]["median"]
+    )
+    assert g["max_abs_diff"] < 1e-4  # same inputs, fp32: the two kernels compute the same thing
+    assert g["shape"] == {"batch": 1, "seq": 32, "heads": 6, "dk": 16, "dv": 16, "chunk": 16}
+
+
+def test_decode(capsys, reports):
+    rep = _run(capsys, "decode", *COMMON, "--batches", "1,2", "--new-tokens", "4", "--prompt-len", "3")
+    reports["decode"] = rep
+    d = rep["results"]["decode"]
+    assert set(d["batches"]) == {"1", "2"}
+    for b, v in d["batches"].items():
+        assert v["generated_tokens"] == 4 * int(b)
+        _check_figure(v["call_s"])
+        _check_figure(v["tokens_per_s"])
+        assert v["tokens_per_s"]["max"] == pytest.approx(v["generated_tokens"] / v["call_s"]["min"])
+
+
+def test_compile(capsys, reports):
+    rep = _run(capsys, "compile", *COMMON, "--layers", "1,2", "--seq", "16")
+    reports["compile"] = rep
+    c = rep["results"]["compile"]
+    assert set(c["layers"]) == {"1", "2"}
+    for v in c["layers"].values():
+        for k in ("lower_s", "compile_s", "total_s"):
+            _check_figure(v[k])
+    ratio = c["layers"]["2"]["total_s"]["median"] / c["layers"]["1"]["total_s"]["median"]
+    assert c["ratio_deepest_over_shallowest"] == pytest.approx(ratio)
+
+
+def test_human_table_names_every_figure(reports):
+    if len(reports) < 4:
+        pytest.skip("needs the reports of the subcommand tests above")
+    merged = dict(reports["train-step"], command="all")
+    merged["results"] = {k: v for r in reports.values() for k, v in r["results"].items()}
+    text = format_table(merged)
+    for needle in ("tokens/s", "MFU", "jaxpi / torch", "fwd+bwd", "batch   2", "2 / 1 layers"):
+        assert needle in text, needle
+
+
+def test_bad_flags_are_refused(capsys):
+    assert cli.main(["bench", "train-step", "--preset", "tiny", "--repeats", "0"]) == 2
+    assert "repeats must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        from jaxpi.bench.cli import _ints
+
+        _ints("8,x")
+
+
+def test_gdn_inputs_are_seeded():
+    from jaxpi.bench.gdn import gdn_inputs
+
+    a, b = gdn_inputs(make_config("tiny", seq=8)), gdn_inputs(make_config("tiny", seq=8))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert np.all(a["g"] <= 0) and np.all((a["beta"] > 0) & (a["beta"] < 1))
+    assert jnp.asarray(a["q"]).shape == (1, 8, 6, 16)
