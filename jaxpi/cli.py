@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(fn=cmd_demo)
+    from jaxpi.bench import cli as bench_cli
+
+    bench_cli.add_subparser(sub)
     from jaxpi.train import sft as sft_cli
 
     sft_cli.add_subparser(sub)
