@@ -75,6 +75,7 @@ def bwrap_argv(
     env: Mapping[str, str],
     fds: Mapping[str, int],
     relay_args: Sequence[str] = (),
+    mounts: Mapping[str, Path] | None = None,
 ) -> list[str]:
     """The full bwrap command line (pure but for a look at the host's top-level directories).
 
@@ -89,6 +90,8 @@ def bwrap_argv(
     args += system_binds()
     for path in cfg.ro_binds:
         args += ["--ro-bind", path, path]
+    for inside, host in (mounts or {}).items():
+        args += ["--ro-bind", str(host), inside]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     args += ["--bind-fd", str(fds["workspace"]), cfg.workspace_mount, "--chdir", cfg.workspace_mount]
     inner = nproc_argv(cfg)
@@ -161,8 +164,12 @@ def run_sandboxed(
     cfg: SandboxConfig | None = None,
     env: Mapping[str, str] | None = None,
     stdin: str | bytes | None = None,
+    mounts: Mapping[str, str | Path] | None = None,
 ) -> SandboxResult:
-    """Run `argv` in a fresh sandbox over `workspace` and wait for it (at most cfg.wall_seconds)."""
+    """Run `argv` in a fresh sandbox over `workspace` and wait for it (at most cfg.wall_seconds).
+
+    `mounts` maps paths inside to host paths bound read-only there (a verifier's tests, an oracle).
+    """
     cfg = cfg or SandboxConfig()
     if not argv:
         raise ValueError("run_sandboxed: empty argv")
@@ -176,9 +183,16 @@ def run_sandboxed(
         raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
     # Without a pids cgroup, RLIMIT_NPROC is the process limit, and the kernel never applies it to
     # host root: a root caller's sandbox then runs as the unprivileged cfg.host_uid.
+    ro_mounts = {inside: Path(host).resolve() for inside, host in (mounts or {}).items()}
+    for inside, host in ro_mounts.items():
+        if not Path(inside).is_absolute() or inside in ("/", cfg.workspace_mount) or not host.exists():
+            raise ValueError(
+                f"run_sandboxed: bad mount {inside!r} -> {host} (absolute, not / or the workspace, host path must exist)"
+            )
     drop_to = cfg.host_uid if os.geteuid() == 0 and cgroups is None else None
     if drop_to is not None:
-        _check_reachable(ws)
+        for path in [ws, *ro_mounts.values()]:
+            _check_reachable(path)
     owner = ws.stat()
     relay_dir = Path(tempfile.mkdtemp(prefix="jaxpi-relay-")) if cfg.endpoints else None
     relay = None
@@ -194,7 +208,7 @@ def run_sandboxed(
             shutil.copy(INNER_RELAY, relay_dir / "relay.py")
         if drop_to is not None:
             _chown_tree(ws, drop_to, drop_to)
-        cmd = bwrap_argv(argv, cfg, env or {}, fds, relay_args)
+        cmd = bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts)
         return _supervise(cmd, cfg, cgroups, info_r, fds, stdin, drop_to)
     finally:
         for fd in [info_r, *fds.values()]:
