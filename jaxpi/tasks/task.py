@@ -129,16 +129,20 @@ def load_task(path: str | Path) -> Task:
     tags = _field(meta, "metadata", "tags", list, d, default=[])
     if not all(isinstance(t, str) for t in tags):
         raise TaskError(f"{d}: task.toml [metadata] tags must be a list of strings")
+    # In the order of the file: [metadata], [limits], [verifier].
+    task_id = _field(meta, "metadata", "id", str, d)
+    category = _field(meta, "metadata", "category", str, d)
+    difficulty = _field(meta, "metadata", "difficulty", str, d)
     for key in ("wall_seconds", "max_turns", "max_tokens"):
         _field(lim, "limits", key, (int, float), d)
     env = d / "environment"
     try:
         return Task(
-            id=_field(meta, "metadata", "id", str, d),
+            id=task_id,
             path=d,
             instruction=(d / "instruction.md").read_text(),
-            category=_field(meta, "metadata", "category", str, d),
-            difficulty=_field(meta, "metadata", "difficulty", str, d),
+            category=category,
+            difficulty=difficulty,
             tags=tuple(tags),
             limits=TaskLimits(**lim),
             verifier_timeout=float(_field(ver, "verifier", "timeout", (int, float), d)),
