@@ -267,3 +267,22 @@ def test_unreachable_workspace_is_refused(tmp_path):
     # pytest's tmp_path sits under a 0700 directory: the unprivileged sandbox uid could not reach it.
     with pytest.raises(ValueError, match="not searchable"):
         run_sandboxed(["true"], tmp_path, CFG.replace(use_cgroups=False))
+
+
+def test_concurrent_sandboxes_from_threads(ws):
+    """The rollout runner calls from many threads at once: each run keeps its own workspace/output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dirs = []
+    for i in range(6):
+        (ws / f"w{i}").mkdir()
+        dirs.append(ws / f"w{i}")
+
+    def one(i: int):
+        return run_sandboxed(["bash", "-c", f"echo {i} > mine.txt; ls; echo run-{i}"], dirs[i], CFG)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for i, r in enumerate(results):
+        assert r.ok and r.stdout == f"mine.txt\nrun-{i}\n", r
+        assert (dirs[i] / "mine.txt").read_text() == f"{i}\n"

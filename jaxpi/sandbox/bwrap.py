@@ -30,7 +30,7 @@ from pathlib import Path
 
 from jaxpi.sandbox import procs
 from jaxpi.sandbox.config import SandboxConfig, SandboxResult
-from jaxpi.sandbox.limits import Cgroups, nproc_argv, preexec
+from jaxpi.sandbox.limits import Cgroups, launch_prefix, nproc_argv
 from jaxpi.sandbox.relay import INNER_RELAY, HostRelay
 
 _RELAY_DIR = "/run/jaxpi"  # inside: the endpoint sockets and the relay script
@@ -208,7 +208,7 @@ def run_sandboxed(
             shutil.copy(INNER_RELAY, relay_dir / "relay.py")
         if drop_to is not None:
             _chown_tree(ws, drop_to, drop_to)
-        cmd = bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts)
+        cmd = launch_prefix(cfg, cgroups) + bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts)
         return _supervise(cmd, cfg, cgroups, info_r, fds, stdin, drop_to)
     finally:
         for fd in [info_r, *fds.values()]:
@@ -241,7 +241,10 @@ def _supervise(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=tuple(fds.values()),
-            preexec_fn=preexec(cfg, cgroups, drop_to),
+            # Done by the C fork helper (no Python runs in the child): the unprivileged uid, if any.
+            user=drop_to,
+            group=drop_to,
+            extra_groups=[] if drop_to is not None else None,
             start_new_session=True,  # our terminal's signals are not the sandbox's business
         )
     finally:
@@ -260,7 +263,9 @@ def _supervise(
         if time.monotonic() - start > cfg.wall_seconds:
             reason = "wall"
         elif ns is not None:
-            tasks, rss, cpu = procs.usage(procs.members(ns))
+            # The pids cgroup lists the tree directly; without one, scan /proc for the namespace.
+            members = cgroups.pids() if cgroups is not None else procs.members(ns)
+            tasks, rss, cpu = procs.usage(members)
             peak_tasks, peak_cpu = max(peak_tasks, tasks), max(peak_cpu, cpu)
             # At the process limit forks are already failing; end the run rather than let a fork
             # bomb spin until the wall clock. The -1 leaves room for a sample taken mid-retry.
@@ -274,7 +279,8 @@ def _supervise(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             break
-        time.sleep(_POLL_S)
+        # Fast at first (short commands, fork bombs), then easier on a host running many sandboxes.
+        time.sleep(_POLL_S if time.monotonic() - start < 2.0 else 4 * _POLL_S)
     rc = proc.wait()
     for d in drains:
         d.join(timeout=5.0)

@@ -12,11 +12,8 @@ tree as a whole and reports its OOM kills (which lets the result say "memory" fo
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from jaxpi.sandbox.config import SandboxConfig
@@ -113,31 +110,20 @@ class Cgroups:
                     time.sleep(0.02)
 
 
-def preexec(cfg: SandboxConfig, cgroups: Cgroups | None, drop_to: int | None) -> Callable[[], None]:
-    """What the launcher child runs between fork and exec of bwrap: join the cgroups, set rlimits,
-    and (when the caller is root) become the unprivileged `drop_to` uid/gid."""
-    join = [str(p) for p in cgroups.join_paths()] if cgroups else []
+def launch_prefix(cfg: SandboxConfig, cgroups: Cgroups | None) -> list[str]:
+    """The commands bwrap is started through: join the cgroups, then set the rlimits and exec.
 
-    def run() -> None:
-        pid = str(os.getpid()).encode()
-        for path in join:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, pid)
-            finally:
-                os.close(fd)
-        # Soft limit sends SIGXCPU; the hard limit one second later is SIGKILL.
-        resource.setrlimit(resource.RLIMIT_CPU, (cfg.cpu_seconds, cfg.cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if cgroups is None:
-            as_bytes = cfg.memory_mb * 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
-        if drop_to is not None:
-            os.setgroups([])
-            os.setresgid(drop_to, drop_to, drop_to)
-            os.setresuid(drop_to, drop_to, drop_to)
-
-    return run
+    Plain processes rather than a `preexec_fn`: code between fork and exec is unsafe in a
+    threaded caller (the rollout runner is one), and these are inherited by everything inside.
+    """
+    limits = [f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}", "--core=0"]  # SIGXCPU, then SIGKILL
+    if cgroups is None:
+        limits.append(f"--as={cfg.memory_mb * 1024 * 1024}")
+    prefix = ["prlimit", *limits, "--"]
+    if cgroups is not None:
+        join = 'for cg in "$@"; do [ "$cg" = -- ] && { shift; break; }; echo $$ > "$cg" || exit 125; shift; done; exec "$@"'
+        prefix = ["/bin/sh", "-c", join, "jaxpi-launch", *map(str, cgroups.join_paths()), "--", *prefix]
+    return prefix
 
 
 def nproc_argv(cfg: SandboxConfig) -> list[str]:
