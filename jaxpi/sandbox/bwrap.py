@@ -121,7 +121,8 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
     os.lchown(root, uid, gid)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, gid)
+            with contextlib.suppress(FileNotFoundError):  # removed while we walked
+                os.lchown(os.path.join(dirpath, name), uid, gid)
 
 
 class _Drain(threading.Thread):
@@ -181,14 +182,14 @@ def run_sandboxed(
     cgroups = Cgroups.create(cfg) if cfg.use_cgroups is not False else None
     if cfg.use_cgroups and cgroups is None:
         raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
-    # Without a pids cgroup, RLIMIT_NPROC is the process limit, and the kernel never applies it to
-    # host root: a root caller's sandbox then runs as the unprivileged cfg.host_uid.
     ro_mounts = {inside: Path(host).resolve() for inside, host in (mounts or {}).items()}
     for inside, host in ro_mounts.items():
         if not Path(inside).is_absolute() or inside in ("/", cfg.workspace_mount) or not host.exists():
             raise ValueError(
                 f"run_sandboxed: bad mount {inside!r} -> {host} (absolute, not / or the workspace, host path must exist)"
             )
+    # Without a pids cgroup, RLIMIT_NPROC is the process limit, and the kernel never applies it to
+    # host root: a root caller's sandbox then runs as the unprivileged cfg.host_uid.
     drop_to = cfg.host_uid if os.geteuid() == 0 and cgroups is None else None
     if drop_to is not None:
         for path in [ws, *ro_mounts.values()]:
@@ -254,12 +255,43 @@ def _supervise(
         d.start()
     if stdin is not None:
         threading.Thread(target=_feed, args=(proc, stdin), daemon=True).start()
-    init_pid = _read_child_pid(info_r, start + 10.0)
+    init_pid = None
+    try:
+        init_pid = _read_child_pid(info_r, start + 10.0)
+        reason, peak_tasks, peak_cpu = _watch(proc, cfg, cgroups, init_pid, start)
+    except BaseException:
+        # Interrupted (Ctrl-C, an error here): the sandbox must not outlive its supervisor.
+        _kill(proc, init_pid)
+        raise
+    rc = proc.wait()
+    for d in drains:
+        d.join(timeout=5.0)
+    stderr = drains[1].text()
+    if reason is None:
+        reason = _after_the_fact(rc, stderr, cfg, cgroups, peak_cpu)
+    return SandboxResult(
+        returncode=rc if rc >= 0 else 128 - rc,
+        stdout=drains[0].text(),
+        stderr=stderr,
+        wall_seconds=time.monotonic() - start,
+        timed_out=reason == "wall",
+        killed_reason=reason,
+        peak_procs=peak_tasks,
+        cgroups=cgroups is not None,
+    )
+
+
+def _watch(
+    proc: subprocess.Popen, cfg: SandboxConfig, cgroups: Cgroups | None, init_pid: int | None, start: float
+) -> tuple[str | None, int, float]:
+    """Poll the running sandbox until it ends or a limit is reached (then kill it).
+
+    Returns (the limit that ended it or None, most tasks seen at once, most CPU seconds of a process).
+    """
     ns = procs.pid_namespace(init_pid) if init_pid else None
-    reason: str | None = None
     peak_tasks, peak_cpu = 0, 0.0
-    mem_limit = cfg.memory_mb * 1024 * 1024
     while proc.poll() is None:
+        reason = None
         if time.monotonic() - start > cfg.wall_seconds:
             reason = "wall"
         elif ns is not None:
@@ -271,33 +303,22 @@ def _supervise(
             # bomb spin until the wall clock. The -1 leaves room for a sample taken mid-retry.
             if tasks >= cfg.max_procs - 1 or (cgroups is not None and cgroups.procs_hit()):
                 reason = "procs"
-            elif cgroups is None and rss > mem_limit:  # the tree as a whole (RLIMIT_AS is per process)
+            elif cgroups is None and rss > cfg.memory_mb * 1024 * 1024:  # the tree (RLIMIT_AS is per process)
                 reason = "memory"
         if reason is not None:
-            if init_pid is not None:
-                procs.kill_namespace(init_pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            break
+            _kill(proc, init_pid)
+            return reason, peak_tasks, peak_cpu
         # Fast at first (short commands, fork bombs), then easier on a host running many sandboxes.
         time.sleep(_POLL_S if time.monotonic() - start < 2.0 else 4 * _POLL_S)
-    rc = proc.wait()
-    for d in drains:
-        d.join(timeout=5.0)
-    wall = time.monotonic() - start
-    stderr = drains[1].text()
-    if reason is None:
-        reason = _after_the_fact(rc, stderr, cfg, cgroups, peak_cpu)
-    return SandboxResult(
-        returncode=rc if rc >= 0 else 128 - rc,
-        stdout=drains[0].text(),
-        stderr=stderr,
-        wall_seconds=wall,
-        timed_out=reason == "wall",
-        killed_reason=reason,
-        peak_procs=peak_tasks,
-        cgroups=cgroups is not None,
-    )
+    return None, peak_tasks, peak_cpu
+
+
+def _kill(proc: subprocess.Popen, init_pid: int | None) -> None:
+    """SIGKILL the namespace's init (which ends everything in it) and bwrap's own process group."""
+    if init_pid is not None:
+        procs.kill_namespace(init_pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _after_the_fact(
