@@ -47,6 +47,7 @@ class SandboxConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be a positive integer, got {v!r}")
+        # bwrap's init, the launch shell and the relay take a few slots before the command runs.
         if self.max_procs < 4:
             raise ValueError(
                 f"SandboxConfig.max_procs must be >= 4 (the shell and sandbox init), got {self.max_procs}"

@@ -50,6 +50,7 @@ class Cgroups:
         mem, pids = _own_v1_dir("memory"), _own_v1_dir("pids")
         if mem is None or pids is None:
             return None
+        # One pair per run, uniquely named: concurrent sandboxes never share a budget.
         name = f"jaxpi-sandbox-{uuid.uuid4().hex[:12]}"
         made: list[Path] = []
         try:
@@ -94,6 +95,7 @@ class Cgroups:
                 return True
         return False
 
+    # v1 cgroup.procs lists thread-group ids; threads are counted from /proc by the monitor.
     def pids(self) -> list[int]:
         return [int(p) for p in self._read(self.pids_dir / "cgroup.procs").split()]
 

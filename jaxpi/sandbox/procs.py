@@ -14,6 +14,7 @@ def pid_namespace(pid: int) -> str | None:
         return None
 
 
+# A pid namespace is identified by the inode behind /proc/PID/ns/pid: equal links, same namespace.
 def members(namespace: str) -> list[int]:
     """Host pids of all live processes in the pid namespace `namespace` (a `pid:[inode]` link)."""
     out = []

@@ -55,7 +55,9 @@ class HostRelay:
                 continue
             except OSError:
                 return
+            # Accepted sockets inherit the listener's timeout; the pumps block instead.
             conn.settimeout(None)
+            # One upstream connection per sandbox connection: the endpoint sees ordinary clients.
             try:
                 up = socket.create_connection(target, timeout=10)
                 up.settimeout(None)

@@ -55,6 +55,7 @@ def audit_task(task: Task, root: Path) -> TaskAudit:
     """Audit one loaded task, with workspaces under `root` (see `workspace_root`)."""
     start = time.monotonic()
     reasons = []
+    # A separate workspace per step: the untouched run must not see what the oracle wrote.
     ws = new_workspace(task, root)
     solved = run_oracle(task, ws)
     oracle_passed = False
@@ -66,6 +67,8 @@ def audit_task(task: Task, root: Path) -> TaskAudit:
         if not checked.ok:
             reasons.append(_describe("verifier after the oracle", checked))
     untouched = run_verifier(task, new_workspace(task, root))
+    # Failing by a limit (a verifier that hangs or blows up on an empty workspace) is not the
+    # clean "fail" we need: attempts would then be scored by the sandbox, not by the verifier.
     empty_failed = untouched.returncode != 0 and untouched.killed_reason is None
     if untouched.ok:
         reasons.append("verifier passes the untouched workspace")
@@ -128,6 +131,7 @@ def audit_tasks(root: str | Path, jobs: int = 1, only: tuple[str, ...] = ()) -> 
             raise TaskError(f"{root}: none of the tasks {list(only)} found")
     if not dirs:
         raise TaskError(f"{root}: no task directories (none holds a task.toml)")
+    # Threads suffice: each audit step waits on a sandboxed subprocess.
     with workspace_root("jaxpi-audit-") as ws_root, ThreadPoolExecutor(max(1, jobs)) as pool:
         audits = list(pool.map(lambda d: _audit_dir(d, ws_root), dirs))
     return AuditReport(tuple(audits))

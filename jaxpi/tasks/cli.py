@@ -36,6 +36,7 @@ def add_subparser(sub: Any) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    # Imported here: `jaxpi --help` should not pay for the task and sandbox modules.
     from jaxpi.tasks.task import load_tasks
 
     tasks = load_tasks(args.dir)

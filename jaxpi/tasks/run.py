@@ -32,6 +32,7 @@ def new_workspace(task: Task, root: Path) -> Path:
     """A fresh workspace under `root` holding a copy of the task's environment/ (or nothing)."""
     ws = Path(tempfile.mkdtemp(prefix=f"{task.id}-", dir=root))
     if task.environment_dir is not None:
+        # Symlinks stay links: a task may ship one, and following it could copy host files in.
         shutil.copytree(task.environment_dir, ws, symlinks=True, dirs_exist_ok=True)
     return ws
 

@@ -120,6 +120,8 @@ def load_task(path: str | Path) -> Task:
     meta = _table(doc, "metadata", d)
     lim = _table(doc, "limits", d)
     ver = _table(doc, "verifier", d)
+    # Unknown names are errors: a misspelt limit silently falling back to its default would
+    # change what an attempt may do without anyone noticing.
     unknown = set(doc) - {"metadata", "limits", "verifier"}
     if unknown:
         raise TaskError(f"{d}: task.toml has unknown tables {sorted(unknown)}")
