@@ -256,6 +256,10 @@ def test_config_is_validated(ws):
         SandboxConfig(wall_seconds=-1)
     with pytest.raises(ValueError, match="endpoints"):
         SandboxConfig(endpoints=(("127.0.0.1", 70000),))
+    with pytest.raises(ValueError, match="1024"):
+        SandboxConfig(endpoints=(("127.0.0.1", 80),))
+    with pytest.raises(ValueError, match="given twice"):
+        SandboxConfig(endpoints=(("127.0.0.1", 8000), ("10.0.0.1", 8000)))
     with pytest.raises(ValueError, match="workspace_mount"):
         SandboxConfig(workspace_mount="/etc")
     with pytest.raises(FileNotFoundError, match="not a directory"):

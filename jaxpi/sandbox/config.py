@@ -66,8 +66,9 @@ class SandboxConfig:
                 isinstance(ep, tuple) and len(ep) == 2 and isinstance(ep[0], str) and isinstance(ep[1], int)
             ):
                 raise ValueError(f"SandboxConfig.endpoints entries must be (host, port), got {ep!r}")
-            if not 0 < ep[1] < 65536:
-                raise ValueError(f"SandboxConfig.endpoints: port out of range in {ep!r}")
+            # Inside, the relay binds 127.0.0.1:port without capabilities: no privileged ports.
+            if not 1024 <= ep[1] < 65536:
+                raise ValueError(f"SandboxConfig.endpoints: port must be in 1024..65535 in {ep!r}")
             if ep[1] in ports:
                 raise ValueError(
                     f"SandboxConfig.endpoints: port {ep[1]} given twice (inside, each is 127.0.0.1:port)"
