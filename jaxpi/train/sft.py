@@ -64,7 +64,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "sessions"  # "sessions" (Pi sessions, rendered) | "synthetic" (random-token test data)
+    # "sessions" (Pi sessions, rendered) | "synthetic" (random-token test data) | "toy_lookup"
+    source: str = "sessions"
     sessions: tuple[str, ...] = (DEMO_SESSIONS,)  # files or directories of sessions
     tokenizer: str = ""  # tokenizer directory; "" = the base checkpoint's own
     seq_len: int = 2048
@@ -74,12 +75,17 @@ class DataConfig:
     shuffle: bool = True
     val_fraction: float = 0.1  # share of sessions held out for validation loss
     synthetic_examples: int = 64  # source "synthetic" only
+    # source "toy_lookup" only (jaxpi.envs.toy_sft): scripted LookupEnv sessions, levels in turn,
+    # toy_reasoning = (lo, hi) reasoning tokens per level of toy_levels, flattened; () = defaults
+    toy_examples: int = 384
+    toy_levels: tuple[str, ...] = ("low", "medium", "xhigh")
+    toy_reasoning: tuple[int, ...] = ()
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
         errors = []
-        if self.source not in ("sessions", "synthetic"):
-            errors.append(f"data.source must be 'sessions' or 'synthetic', got {self.source!r}")
+        if self.source not in ("sessions", "synthetic", "toy_lookup"):
+            errors.append(f"data.source must be 'sessions', 'synthetic' or 'toy_lookup', got {self.source!r}")
         if self.source == "sessions" and not self.sessions:
             errors.append("data.sessions must name at least one file or directory")
         if self.seq_len < 2:
@@ -94,8 +100,27 @@ class DataConfig:
             errors.append(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.synthetic_examples < 2:
             errors.append(f"data.synthetic_examples must be >= 2, got {self.synthetic_examples}")
+        if self.toy_examples < 2:
+            errors.append(f"data.toy_examples must be >= 2, got {self.toy_examples}")
+        if not self.toy_levels:
+            errors.append("data.toy_levels must name at least one effort level")
+        if self.toy_reasoning and len(self.toy_reasoning) != 2 * len(self.toy_levels):
+            errors.append(
+                f"data.toy_reasoning must hold (lo, hi) for each of the {len(self.toy_levels)} toy_levels "
+                f"({2 * len(self.toy_levels)} numbers), got {len(self.toy_reasoning)}"
+            )
         if errors:
             raise ValueError("; ".join(errors))
+
+    def toy_config(self) -> Any:
+        """The `jaxpi.envs.toy_sft.ToySFTConfig` of source "toy_lookup" (validates the ranges)."""
+        from jaxpi.envs.toy_sft import ToySFTConfig
+
+        if not self.toy_reasoning:
+            return ToySFTConfig(levels=self.toy_levels)
+        r = self.toy_reasoning
+        spans = {lv: (r[2 * i], r[2 * i + 1]) for i, lv in enumerate(self.toy_levels)}
+        return ToySFTConfig(levels=self.toy_levels, reasoning=spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +254,18 @@ def build_data(cfg: SFTConfig, base_dir: Path, vocab: int) -> tuple[list[Any], d
         examples = synthetic_examples(d.synthetic_examples, d.seq_len, vocab, cfg.train.seed)
         return examples, {"source": "synthetic", "examples": len(examples)}
     from jaxpi.data.examples import build_examples
-    from jaxpi.data.render import RenderConfig
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+
+    if d.source == "toy_lookup":
+        from jaxpi.envs.toy_sft import toy_sessions
+
+        tok_dir = d.tokenizer or str(base_dir)
+        toy = d.toy_config()
+        examples = toy_sessions(
+            d.toy_examples, cfg.train.seed, load_tokenizer(tok_dir), cfg=toy, render_cfg=RenderConfig(tok_dir)
+        )
+        spans = {lv: list(toy.reasoning[lv]) for lv in toy.levels}
+        return examples, {"source": "toy_lookup", "examples": len(examples), "reasoning": spans}
 
     render_cfg = RenderConfig(tokenizer_dir=d.tokenizer or str(base_dir))
     examples, report = build_examples(list(d.sessions), render_cfg, d.gate)

@@ -1,0 +1,473 @@
+"""SFT sessions for the LookupEnv in which low effort reasons longer than medium, and their measurement.
+
+The seed report saw this after SFT: the low-effort level reasoned longer than medium, a cost-ordering
+violation that effort-ordered GRPO then fixed. `toy_sessions` builds a supervised set with the same
+fault on purpose, so a tiny model trained on it starts GRPO where the report's model did:
+
+    turn 1   <think> PHRASES </think> <tool_call> get(key=<target>) </tool_call>   (mask 1)
+    obs      <tool_response> 37 </tool_response> ... <think>                        (mask 0)
+    turn 2   <think> got it. </think> 37                                           (mask 1)
+
+PHRASES is a fixed cycle of short phrases that each name the key ("key ka.", "find ka.", ...);
+how many of them a session has is drawn per level so that the attempt's reasoning tokens fall in
+that level's range (default low 34-52, medium 12-28, xhigh 52-80: low is longer than medium).
+The model learns the copy (key from the instruction into the call, number from the observation
+into the answer) and, from the level line of the system prompt, when to stop reasoning.
+
+The rows are not rendered by hand: a scripted engine replays the intended turns through the real
+agent loop (`run_attempts`), so the ids, observation deltas and masks are exactly those of a
+rollout that sampled the same text, and every session is scored by the environment's verifier.
+
+`evaluate_toy` samples a model through `JaxEngine` + `run_attempts` and reports, per level, the
+pass rate and reasoning tokens, with the ordering ratios T_L/T_M and T_M/T_H.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from jaxpi.data.render import RenderConfig
+from jaxpi.envs.agent_loop import Trajectory, run_attempts
+from jaxpi.envs.base import Task
+from jaxpi.envs.toy import LookupEnv, make_tasks
+from jaxpi.rollout.engine import Completion, SamplingParams, Session
+
+# Distinct phrases in a fixed order: which phrase comes next tells the model how far it has gone.
+# The key sits in parentheses, where the tiny tokenizer splits it exactly as in the tool call
+# ("\nka\n"); after a space some first letters merge with it (" n", " l"), a different token.
+PHRASES = (
+    "key ({k}).",
+    "find ({k}).",
+    "look up ({k}).",
+    "call get ({k}).",
+    "need ({k}).",
+    "read ({k}).",
+    "ask for ({k}).",
+    "use ({k}).",
+)
+SECOND_THOUGHT = "got it."  # turn 2's reasoning, the same in every session
+DEFAULT_REASONING: Mapping[str, tuple[int, int]] = MappingProxyType(
+    {"low": (34, 52), "medium": (12, 28), "xhigh": (52, 80)}
+)
+END_OF_TURN = "<|im_end|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToySFTConfig:
+    """Which levels, how long each reasons (attempt reasoning tokens, inclusive), the task shape."""
+
+    levels: tuple[str, ...] = ("low", "medium", "xhigh")
+    reasoning: Mapping[str, tuple[int, int]] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_REASONING)
+    )
+    keys_per_task: int = 3
+    max_value: int = 100
+
+    def __post_init__(self) -> None:
+        reasoning = {str(k): (int(v[0]), int(v[1])) for k, v in dict(self.reasoning).items()}
+        object.__setattr__(self, "reasoning", MappingProxyType(reasoning))
+        object.__setattr__(self, "levels", tuple(self.levels))
+        errors = []
+        if not self.levels:
+            errors.append("levels must name at least one effort level")
+        for level in self.levels:
+            if level not in reasoning:
+                errors.append(f"level {level!r} has no reasoning range (have {sorted(reasoning)})")
+        for level, (lo, hi) in reasoning.items():
+            if not 1 <= lo <= hi:
+                errors.append(f"reasoning range of {level!r} must satisfy 1 <= lo <= hi, got ({lo}, {hi})")
+        if self.keys_per_task < 1 or self.max_value < 1:
+            errors.append(
+                f"keys_per_task and max_value must be >= 1, got {self.keys_per_task}, {self.max_value}"
+            )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+def tool_call(key: str) -> str:
+    """The qwen3-coder XML the chat template teaches for `get(key=...)`."""
+    return f"<tool_call>\n<function=get>\n<parameter=key>\n{key}\n</parameter>\n</function>\n</tool_call>"
+
+
+def filler(key: str, n: int) -> str:
+    """The first n phrases of the cycle, naming `key`."""
+    return " ".join(PHRASES[i % len(PHRASES)].format(k=key) for i in range(n))
+
+
+def script(key: str, value: int, phrases: int) -> tuple[str, str]:
+    """The two assistant turns, as sampled text (the generation prompt already opened `<think>`)."""
+    first = f"{filler(key, phrases)}\n</think>\n\n{tool_call(key)}{END_OF_TURN}"
+    second = f"{SECOND_THOUGHT}\n</think>\n\n{value}{END_OF_TURN}"
+    return first, second
+
+
+def reasoning_tokens(tokenizer: Any, key: str, phrases: int) -> int:
+    """Reasoning tokens of a scripted attempt (both turns), counted as the agent loop counts them:
+    the text before `</think>`, its trailing newline included."""
+
+    def n(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return n(f"{filler(key, phrases)}\n") + n(f"{SECOND_THOUGHT}\n")
+
+
+def pick_phrases(tokenizer: Any, key: str, span: tuple[int, int], rng: np.random.Generator) -> int:
+    """A phrase count, uniform over those whose attempt reasoning falls in `span`."""
+    lo, hi = span
+    fits = []
+    for k in range(1, 64):
+        t = reasoning_tokens(tokenizer, key, k)
+        if t > hi:
+            break
+        if t >= lo:
+            fits.append(k)
+    if not fits:
+        raise ValueError(
+            f"no phrase count gives key {key!r} reasoning in [{lo}, {hi}] tokens; widen the range"
+        )
+    return int(fits[int(rng.integers(len(fits)))])
+
+
+class _Replay:
+    """A `RolloutEngine` that emits pre-written turns (tokenised whole), one script per session."""
+
+    def __init__(self, tokenizer: Any, scripts: Sequence[Sequence[str]]):
+        self.tok, self.scripts = tokenizer, [list(s) for s in scripts]
+        self.held: list[list[int]] = []
+
+    def generate(self, prompts: Any, params: SamplingParams) -> list[Completion]:
+        raise NotImplementedError("the agent loop uses sessions")
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> list[Session]:
+        self.held += [list(p) for p in prompts]
+        return [Session(len(self.held) - len(prompts) + i) for i in range(len(prompts))]
+
+    def continue_(
+        self, sessions: Sequence[Session], observations: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
+        out = []
+        for s, obs in zip(sessions, observations, strict=True):
+            self.held[s.id] += list(obs)
+            ids = list(self.tok(self.scripts[s.id].pop(0), add_special_tokens=False)["input_ids"])
+            if len(ids) > params.max_new_tokens:
+                raise ValueError(
+                    f"scripted turn of {len(ids)} tokens exceeds the turn budget {params.max_new_tokens}"
+                )
+            out.append(Completion(ids, [0.0] * len(ids), [0.0] * len(ids), "stop", len(self.held[s.id])))
+            self.held[s.id] += ids
+        return out
+
+    def close(self, sessions: Sequence[Session]) -> None:
+        pass
+
+
+def toy_trajectories(
+    n: int,
+    seed: int,
+    tokenizer: Any,
+    *,
+    cfg: ToySFTConfig | None = None,
+    render_cfg: RenderConfig | None = None,
+) -> list[Trajectory]:
+    """n scripted sessions (tasks from `make_tasks(n, seed)`, levels in turn), through the agent loop.
+
+    A pure function of (n, seed, cfg, tokenizer). Raises if any session fails its verifier or does
+    not end with an answer: every row must be one the SFT gate would admit.
+    """
+    cfg = cfg or ToySFTConfig()
+    render_cfg = render_cfg or RenderConfig(tokenizer.name_or_path)
+    rng = np.random.default_rng([seed, 1])  # the task draws use `seed` itself
+    tasks = make_tasks(n, seed, keys_per_task=cfg.keys_per_task, max_value=cfg.max_value)
+    jobs, scripts = [], []
+    for i, task in enumerate(tasks):
+        level = cfg.levels[i % len(cfg.levels)]
+        key = str(task.payload["target"])
+        value = int(task.payload["table"][key])
+        jobs.append((task, level))
+        scripts.append(script(key, value, pick_phrases(tokenizer, key, cfg.reasoning[level], rng)))
+    trajs = run_attempts(
+        _Replay(tokenizer, scripts),
+        tokenizer,
+        jobs,
+        SamplingParams(temperature=0.0, max_new_tokens=4096),
+        env=LookupEnv(),
+        render_cfg=render_cfg,
+        max_turns=2,
+        max_tokens=8192,
+    )
+    for t in trajs:
+        if t.finish_reason != "answer" or not t.success:
+            raise RuntimeError(
+                f"scripted session {t.task_id} at {t.level} ended {t.finish_reason!r} "
+                f"(success={t.success}, reason={t.reason}); the script does not fit the template"
+            )
+    return trajs
+
+
+def toy_sessions(
+    n: int,
+    seed: int,
+    tokenizer: Any,
+    *,
+    cfg: ToySFTConfig | None = None,
+    render_cfg: RenderConfig | None = None,
+) -> list[dict[str, Any]]:
+    """SFT examples `{"input_ids", "loss_mask", "session_id", "level", "reasoning_tokens"}`
+    (int32 arrays; mask 1 exactly on the scripted assistant turns), one per session."""
+    out = []
+    for t in toy_trajectories(n, seed, tokenizer, cfg=cfg, render_cfg=render_cfg):
+        out.append(
+            {
+                "input_ids": np.asarray(t.token_ids, np.int32),
+                "loss_mask": np.asarray(t.mask, np.int32),
+                "session_id": t.task_id,
+                "level": t.level,
+                "reasoning_tokens": t.reasoning_tokens,
+            }
+        )
+    return out
+
+
+# ---- measurement ---------------------------------------------------------------------------------
+def _mean(xs: Sequence[float]) -> float | None:
+    return float(np.mean(xs)) if len(xs) else None
+
+
+def summarize(trajs: Sequence[Trajectory], levels: Sequence[str]) -> dict[str, Any]:
+    """Per level: attempts, pass rate, malformed share, reasoning tokens (mean, std, min, max, of
+    successes), output tokens, finish reasons; the share of (task, level) groups with both a
+    success and a failure (the ones GRPO learns from); ordering ratios of mean reasoning tokens."""
+    out: dict[str, Any] = {"levels": {}}
+    for level in levels:
+        ts = [t for t in trajs if t.level == level]
+        r = [t.reasoning_tokens for t in ts]
+        groups: dict[str, list[bool]] = {}
+        for t in ts:
+            groups.setdefault(t.task_id, []).append(t.success)
+        reasons: dict[str, int] = {}
+        for t in ts:
+            reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+        out["levels"][level] = {
+            "attempts": len(ts),
+            "pass_rate": _mean([float(t.success) for t in ts]),
+            "malformed": _mean([float(t.malformed) for t in ts]),
+            "reasoning_mean": _mean(r),
+            "reasoning_std": float(np.std(r)) if r else None,
+            "reasoning_min": min(r) if r else None,
+            "reasoning_max": max(r) if r else None,
+            "reasoning_success_mean": _mean([t.reasoning_tokens for t in ts if t.success]),
+            "output_mean": _mean([t.output_tokens for t in ts]),
+            "mixed_groups": _mean([float(any(g) and not all(g)) for g in groups.values()]),
+            "finish": reasons,
+        }
+    lv = out["levels"]
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in lv and b in lv and lv[a]["reasoning_mean"] and lv[b]["reasoning_mean"]:
+            return lv[a]["reasoning_mean"] / lv[b]["reasoning_mean"]
+        return None
+
+    out["T_L/T_M"], out["T_M/T_H"] = ratio("low", "medium"), ratio("medium", "xhigh")
+    return out
+
+
+def evaluate_toy(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[Task],
+    levels: Sequence[str],
+    attempts: int,
+    seed: int,
+    *,
+    render_cfg: RenderConfig | None = None,
+    temperature: float = 1.0,
+    max_new_tokens: int = 128,
+    max_turns: int = 3,
+    max_context: int = 512,
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """Sample `attempts` sessions per (task, level) with the embedded engine; `summarize` them.
+
+    `max_new_tokens` caps each turn, `max_turns` the turns of an attempt, `max_context` the
+    session (the engine's `max_len`). The result also holds the settings it ran with.
+    """
+    from jaxpi.rollout.jax_engine import JaxEngine
+
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    render_cfg = render_cfg or RenderConfig(tokenizer.name_or_path)
+    jobs = [(t, lv) for t in tasks for lv in levels for _ in range(attempts)]
+    engine = JaxEngine(model, max_len=max_context, batch_size=min(batch_size, len(jobs)))
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    trajs: list[Trajectory] = []
+    # The engine holds batch_size sessions at once: run the jobs in slices of that size.
+    for s in range(0, len(jobs), engine.batch_size):
+        trajs += run_attempts(
+            engine,
+            tokenizer,
+            jobs[s : s + engine.batch_size],
+            dataclasses.replace(params, seed=seed + s),
+            env=LookupEnv(),
+            render_cfg=render_cfg,
+            max_turns=max_turns,
+            max_tokens=max_turns * max_new_tokens,
+            seed=seed + s,
+        )
+    out = summarize(trajs, levels)
+    out["settings"] = {
+        "tasks": len(tasks),
+        "attempts": attempts,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "max_turns": max_turns,
+        "max_context": max_context,
+    }
+    return out
+
+
+def make_toy_base(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    layers: int = 4,
+    attention_every: int = 4,
+    hidden: int | None = None,
+    head_scale: float = 6.0,
+    qk_gain: float = 2.5,
+    decay: tuple[float, float] = (0.002, 0.05),
+) -> Path:
+    """A tiny random Qwen3.5 base (bundled tokenizer) whose LM head can express a confident token.
+
+    `jaxpi.hf_fixtures` draws every weight with std 0.05. The final RMSNorm fixes the hidden state's
+    norm at ~sqrt(hidden) = 8, so a head row of norm 0.05 * 8 = 0.4 caps any logit near 3: over
+    512 ids no token can pass p ~ 0.05 (a loss floor ~3.5 that LoRA cannot move, since the head is
+    frozen). Scaling the head by `head_scale` lifts the cap to ~20. `hidden` widens the model
+    (TINY's head layout scaled to match). Written to a temporary directory and renamed into place.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    from jaxpi.config import TINY
+    from jaxpi.hf_fixtures import make_checkpoint
+
+    out = Path(out_dir)
+    if layers < 1 or attention_every < 1:
+        raise ValueError(f"need layers >= 1 and attention_every >= 1, got {layers}, {attention_every}")
+    # Layer i is full attention when (i + 1) % attention_every == 0 (Qwen3.5 itself: every 4th).
+    types = tuple(
+        "full_attention" if (i + 1) % attention_every == 0 else "linear_attention" for i in range(layers)
+    )
+    cfg = TINY.replace(num_hidden_layers=layers, layer_types=types)
+    if hidden is not None:
+        cfg = cfg.replace(hidden_size=hidden, intermediate_size=2 * hidden)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_checkpoint(tmp, cfg, seed=seed, tokenizer=True)
+    weights = tmp / "model.safetensors"
+    tensors = load_file(weights)
+    if "lm_head.weight" not in tensors:
+        raise KeyError(f"{weights} has no lm_head.weight to scale")
+    tensors["lm_head.weight"] = (tensors["lm_head.weight"] * np.float32(head_scale)).astype(
+        tensors["lm_head.weight"].dtype
+    )
+    # Attention logits are q̂·k̂/sqrt(d) with q, k RMS-normalised to the (1 + w) gain: at gain ~1 the
+    # largest logit is ~sqrt(d) = 5.7, too flat to pick one position out of ~400 (a copy needs
+    # that). The zero-centred weight w becomes qk_gain · (1 + w) - 1.
+    for name in [n for n in tensors if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]:
+        w = tensors[name]
+        tensors[name] = (np.float32(qk_gain) * (1.0 + w) - 1.0).astype(w.dtype)
+    # DeltaNet decay per token is exp(-exp(A_log) · softplus(a + dt_bias)); the fixtures' A_log
+    # (exp in 0.5-4.5) forgets within a few tokens, so no layer could carry the key from the
+    # instruction to the tool call. exp(A_log) drawn log-uniform in `decay` keeps ~10-300 tokens.
+    rng = np.random.default_rng([seed, 2])
+    for name in [n for n in tensors if n.endswith("linear_attn.A_log")]:
+        a = tensors[name]
+        tensors[name] = rng.uniform(np.log(decay[0]), np.log(decay[1]), a.shape).astype(a.dtype)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_run(run_dir: str | Any) -> tuple[Any, Any, RenderConfig]:
+    """(model with the run's adapter, tokenizer, render config) of an SFT run's latest checkpoint."""
+    from flax import nnx
+
+    from jaxpi.convert.hf import load_hf
+    from jaxpi.data.render import load_tokenizer
+    from jaxpi.lora import add_lora
+    from jaxpi.train.checkpoint import load_adapter
+
+    state, lora_cfg, meta = load_adapter(run_dir)
+    _, model = load_hf(meta["base"], meta.get("dtype", "float32"))
+    add_lora(model, lora_cfg)
+    nnx.update(model, state)
+    tok_dir = meta.get("tokenizer") or meta["base"]
+    return model, load_tokenizer(tok_dir), RenderConfig(tok_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxpi.envs.toy_sft base OUT_DIR` writes the toy base; `... eval RUN_DIR` samples
+    the run's latest checkpoint on fresh tasks and prints `evaluate_toy`'s result as JSON."""
+    import argparse
+    import json
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m jaxpi.envs.toy_sft", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("base", help="write the tiny random base with a scaled LM head")
+    b.add_argument("out_dir")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--attention-every", type=int, default=4)
+    b.add_argument("--hidden", type=int, default=None)
+    b.add_argument("--head-scale", type=float, default=6.0)
+    b.add_argument("--qk-gain", type=float, default=2.5)
+    e = sub.add_parser("eval", help="pass rate and reasoning tokens per level of an SFT run")
+    e.add_argument("run_dir")
+    e.add_argument("--tasks", type=int, default=16)
+    e.add_argument("--attempts", type=int, default=4)
+    e.add_argument("--seed", type=int, default=1000, help="task and sampling seed (SFT tasks use train.seed)")
+    e.add_argument("--levels", default="low,medium,xhigh")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-context", type=int, default=512)
+    args = p.parse_args(argv)
+    if args.cmd == "base":
+        out = make_toy_base(
+            args.out_dir,
+            seed=args.seed,
+            layers=args.layers,
+            attention_every=args.attention_every,
+            hidden=args.hidden,
+            head_scale=args.head_scale,
+            qk_gain=args.qk_gain,
+        )
+        print(out)
+        return 0
+    t0 = time.time()
+    model, tok, render_cfg = load_run(args.run_dir)
+    result = evaluate_toy(
+        model,
+        tok,
+        make_tasks(args.tasks, seed=args.seed),
+        args.levels.split(","),
+        args.attempts,
+        seed=args.seed,
+        render_cfg=render_cfg,
+        max_new_tokens=args.max_new_tokens,
+        max_context=args.max_context,
+    )
+    result["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
