@@ -75,18 +75,6 @@ def test_flop_counts_match_the_model_parameters():
     assert LoraConfig().targets  # every linear target is adapted, as the bench does
 
 
-def test_flops_agree_with_xla_cost_analysis():
-    """XLA counts every op of the compiled step (elementwise, full attention scores, the DeltaNet
-    inverse), so it lands a little above the model-FLOP count; 4 layers are unrolled (XLA counts a
-    scanned loop body once, not per trip)."""
-    bench = make_config("tiny", layers=4, seq=64)
-    step, args = abstract_step(bench, 4)
-    cost = jax.jit(step).lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    analytic = train_step_flops(bench.model, seq=64, batch=1, lora_rank=bench.lora_rank)["total"]
-    assert 0.9 <= cost["flops"] / analytic <= 1.5, (cost["flops"], analytic)
-
-
 def _run(capsys, *argv: str) -> dict:
     assert cli.main(["bench", *argv]) == 0
     return json.loads(capsys.readouterr().out)
@@ -115,6 +103,10 @@ def test_train_step_vs_torch(capsys, reports):
     _check_figure(r["peak"]["flop_per_s"], repeats=3)
     assert 0 < j["mfu"]["median"] < 1.5 and 0 < t["mfu"] < 1.5
     assert j["compile_s"] > 0
+    # XLA's cost analysis of the compiled step counts every op (elementwise, the full score
+    # matrix, the DeltaNet inverse), so it lands a little above the model FLOPs: 1.08× measured
+    # on these 4 tiny layers (unscanned; XLA counts a scanned loop body once, not per trip).
+    assert 0.9 <= j["xla_flops_per_step"] / r["flops"]["total"] <= 1.5
     # tokens/s and FLOP/s of each repeat are the step's tokens and model FLOPs over its time
     assert r["flops"]["total"] == pytest.approx(
         train_step_flops(TINY, seq=32, batch=1, lora_rank=rep["config"]["lora_rank"])["total"]

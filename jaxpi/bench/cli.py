@@ -7,6 +7,7 @@
     jaxpi bench decode     [same model flags] [--batches 1,16] [--new-tokens N] [--prompt-len N]
     jaxpi bench compile    [same model flags] --layers 8,16,64
     jaxpi bench all        [same model flags] [--compile-layers 8,16,64] [--vs torch|none]
+    jaxpi bench profile    [same model flags] [--steps 2] [--trace-dir DIR]
 
 The JSON report is one object: `env` (device, versions, threads, date), `config` and `results`,
 one entry per sub-benchmark; every timed figure is {median, min, max, repeats, values}.
@@ -18,7 +19,9 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,14 @@ NEW_TOKENS = {"tiny": 16, "mid": 64}
 
 
 # ---- running ---------------------------------------------------------------------------------
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    """Progress on stderr (stdout carries only the table or the JSON)."""
+    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def environment(bench: BenchConfig, with_torch: bool) -> dict[str, Any]:
     import flax
     import jax
@@ -61,6 +72,7 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
     from jaxpi.bench.timing import ratio
     from jaxpi.bench.train_step import bench_tokens, jaxpi_train_step, write_checkpoint
 
+    say(f"matmul peak ({bench.dtype}, n={bench.peak_n})")
     peak = matmul_peak(bench.peak_n, bench.dtype, warmup=2, repeats=max(bench.repeats, 3))
     ids = bench_tokens(bench)
     res: dict[str, Any] = {
@@ -68,11 +80,14 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
         "peak": peak,
     }
     with tempfile.TemporaryDirectory(prefix="jaxpi-bench-") as tmp:
+        say("random checkpoint (transformers)")
         ckpt = write_checkpoint(bench, tmp)
+        say("jaxpi train step")
         res["jaxpi"] = jaxpi_train_step(bench, ckpt, ids, peak["flop_per_s"]["median"])
         if vs_torch:
             from jaxpi.bench.torch_step import torch_train_step
 
+            say("transformers + peft train step")
             res["torch"] = torch_train_step(bench, ckpt, ids)
             # > 1: jaxpi processes more tokens per second than transformers + peft
             res["speedup_tokens_per_s"] = ratio(res["jaxpi"]["tokens_per_s"], res["torch"]["tokens_per_s"])
@@ -102,11 +117,13 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
     if command in ("gdn", "all"):
         from jaxpi.bench.gdn import gdn_bench
 
+        say("chunked gated delta rule")
         results["gdn"] = gdn_bench(bench, vs_torch=vs_torch)
     if command in ("decode", "all"):
         from jaxpi.bench.decode import decode_bench
 
         new = args.new_tokens or NEW_TOKENS.get(bench.preset, 64)
+        say("decode")
         results["decode"] = decode_bench(
             bench, batches=_ints(args.batches), new_tokens=new, prompt_len=args.prompt_len
         )
@@ -114,7 +131,13 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
         from jaxpi.bench.compile import compile_bench
 
         depths = args.layers if command == "compile" else args.compile_layers
+        say("compile time")
         results["compile"] = compile_bench(bench, _ints(depths))
+    if command == "profile":
+        from jaxpi.bench.profile import profile_train_step
+
+        say("profiling the jaxpi train step")
+        results["profile"] = profile_train_step(bench, steps=args.steps, trace_dir=args.trace_dir)
     return report
 
 
@@ -189,6 +212,17 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"  {c['deepest']} / {c['shallowest']} layers: {c['ratio_deepest_over_shallowest']:.2f}×"
         )
+    if "profile" in res:
+        pr = res["profile"]
+        lines += [
+            "",
+            f"profile (jaxpi train step, op time per step {pr['op_seconds_per_step']:.3g} s; trace {pr['trace_dir']})",
+        ]
+        for part, v in pr["parts"].items():
+            lines.append(f"  {100 * v['share']:5.1f} %  {v['s']:8.4f} s  {part}")
+        lines.append("  top ops:")
+        for op in pr["top_ops"][:12]:
+            lines.append(f"    {op['s']:8.4f} s  {op['op']:<28} {op['op_name'][-90:]}")
     return "\n".join(lines)
 
 
@@ -244,6 +278,7 @@ def add_subparser(sub: Any) -> None:
         "decode": "the embedded engine's decode tokens/s at several batch sizes",
         "compile": "compile time of the train step at several depths",
         "all": "every benchmark above in one run",
+        "profile": "trace the jaxpi train step and sum op time by model part (jax.profiler)",
     }
     for name, text in specs.items():
         p = inner.add_parser(name, help=text, description=text)
@@ -254,6 +289,9 @@ def add_subparser(sub: Any) -> None:
             p.add_argument("--prompt-len", type=int, default=8)
         if name == "all":
             p.add_argument("--compile-layers", default="8,16,64")
+        if name == "profile":
+            p.add_argument("--steps", type=int, default=2, help="traced steps (after the warm-up)")
+            p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temp dir)")
         p.set_defaults(fn=cmd_bench)
 
 

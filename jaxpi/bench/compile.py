@@ -21,13 +21,14 @@ from jaxpi.bench.config import BenchConfig
 from jaxpi.bench.timing import figure
 
 
-def abstract_step(bench: BenchConfig, layers: int) -> tuple[Any, tuple]:
-    """(the un-jitted step, abstract (params, opt_state, batch)) for the bench model at `layers`."""
+def abstract_step(bench: BenchConfig, layers: int | None = None) -> tuple[Any, tuple]:
+    """(the un-jitted step, abstract (params, opt_state, batch)) for the bench model, at `layers`
+    depth (the layer pattern re-derived) or as it is (None)."""
     from jaxpi.lora import LoraConfig, LoRAParam, add_lora
     from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
     from jaxpi.train.step import init_opt_state, make_train_step
 
-    cfg = bench.model.replace(num_hidden_layers=layers)
+    cfg = bench.model if layers is None else bench.model.replace(num_hidden_layers=layers)
     dtype = jnp.dtype(bench.dtype)
     rank = bench.lora_rank
 

@@ -39,6 +39,7 @@ def torch_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> d
     from transformers import Qwen3_5ForCausalLM
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(bench.threads)
     torch.manual_seed(bench.seed)
     t0 = time.perf_counter()

@@ -34,13 +34,17 @@ def bench_tokens(bench: BenchConfig) -> np.ndarray:
 def write_checkpoint(bench: BenchConfig, out_dir: str | Path) -> Path:
     """A random HF checkpoint of the bench model, written by `transformers` (fp32 on disk; each
     framework loads it in the bench dtype)."""
+    import transformers
+
     from jaxpi.hf_fixtures import make_checkpoint
 
+    transformers.utils.logging.disable_progress_bar()
     return make_checkpoint(out_dir, bench.model, seed=bench.seed, dtype="float32")
 
 
-def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak: float) -> dict[str, Any]:
-    """Load `ckpt`, attach adapters, compile the step, time it. `peak`: matmul FLOP/s for MFU."""
+def build_jaxpi_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> dict[str, Any]:
+    """Load `ckpt`, attach adapters and compile the step: {"step" (compiled), "params",
+    "opt_state", "batch", "load_s", "compile_s"}. The step donates params and optimizer state."""
     from jaxpi.convert.hf import load_hf
     from jaxpi.lora import LoraConfig, LoRAParam, add_lora
     from jaxpi.train.step import init_opt_state, make_train_step
@@ -61,8 +65,25 @@ def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    return {
+        "step": compiled,
+        "params": params,
+        "opt_state": opt_state,
+        "batch": batch,
+        "load_s": load_s,
+        "compile_s": compile_s,
+        # XLA's own count: every op, but a scanned loop body once (not per layer group)
+        "xla_flops": float(cost.get("flops", 0.0)),
+    }
 
-    carry = [params, opt_state]
+
+def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak: float) -> dict[str, Any]:
+    """Build the step (`build_jaxpi_step`) and time it. `peak`: matmul FLOP/s for MFU."""
+    built = build_jaxpi_step(bench, ckpt, ids)
+    compiled, batch = built["step"], built["batch"]
+    carry = [built.pop("params"), built.pop("opt_state")]
     losses: list[jax.Array] = []
 
     def call() -> jax.Array:
@@ -71,15 +92,16 @@ def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak
         return metrics["loss"]
 
     times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
-    flops = train_step_flops(m, seq=bench.seq, batch=bench.batch, lora_rank=bench.lora_rank)
+    flops = train_step_flops(bench.model, seq=bench.seq, batch=bench.batch, lora_rank=bench.lora_rank)
     return {
         "step_s": figure(times),
         "tokens_per_s": rate(bench.tokens, times),
         "flop_per_s": rate(flops["total"], times),
         "mfu": figure([flops["total"] / t / peak for t in times]),
-        "compile_s": compile_s,
+        "compile_s": built["compile_s"],
+        "xla_flops_per_step": built["xla_flops"],
         "first_call_s": first_s,
-        "load_s": load_s,
+        "load_s": built["load_s"],
         "loss_first": float(losses[0]),
         "loss_last": float(losses[-1]),
     }

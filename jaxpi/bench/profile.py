@@ -1,0 +1,132 @@
+"""Where the train step's time goes: a `jax.profiler` trace of the compiled step, op by op.
+
+The trace's per-op events (XLA CPU thunks / GPU kernels, named after HLO instructions) are
+matched to the optimized HLO's `metadata={op_name=...}`, which carries the `jax.named_scope`s of
+the model (`mixer/delta_rule/ut_transform`, `mlp`, `qkv`, ...), and their durations are summed
+per part of the model:
+
+    jaxpi bench profile --preset mid [--steps 2] [--trace-dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxpi.bench.config import BenchConfig
+
+# (part, substrings of op_name that put an op there), first match wins: the innermost scopes first.
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("deltanet: (I+A)^-1 and U, W (ut_transform)", ("ut_transform",)),
+    ("deltanet: chunk scan (state carry)", ("chunk_scan",)),
+    ("deltanet: intra-chunk Q·Kᵀ", ("intra_attention",)),
+    ("deltanet: decays, masks, l2norm", ("decays", "chunk_masks", "l2norm_and_scale", "delta_rule")),
+    ("deltanet: in-proj + conv", ("/conv",)),
+    ("deltanet: gates (b, a)", ("/gates",)),
+    ("deltanet: z, out-proj, gated norm", ("/mixer/out/",)),
+    ("attention: scores, softmax, P·V", ("/scores", "/mask", "softmax", "bkgtu,bukd")),
+    ("attention: q/k/v projections, norms, rope", ("/qkv",)),
+    ("mlp", ("/mlp",)),
+    ("mixer (other: o_proj, attention PV, residual)", ("/mixer",)),
+    ("LM head", ("btd,dv->btv",)),
+    ("scan carry (stacking residuals / weights per layer group)", ("dynamic_update_slice", "dynamic_slice")),
+)
+
+
+def part_of(op_name: str) -> str:
+    for part, keys in PARTS:
+        if any(k in op_name for k in keys):
+            return part
+    return "other"
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*?)metadata=\{[^}]*op_name=\"([^\"]*)\"", re.M)
+# Control flow: their trace events span their bodies' ops, which are traced too.
+_CONTAINER = re.compile(r"\s(while|call|conditional)\(")
+# JAX wraps scopes in the transform that produced the op: "transpose(jvp(mixer))/delta_rule".
+_WRAP = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint)\(")
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the JAX op_name in its metadata, transform wrappers removed and
+    "bwd:" prefixed where the op belongs to the backward pass (control-flow ops left out)."""
+    out = {}
+    for m in _INSTR.finditer(hlo_text):
+        if _CONTAINER.search(m.group(2)):
+            continue
+        raw = m.group(3)
+        clean = "/" + _WRAP.sub("", raw.split("/", 1)[-1]).replace(")", "")
+        out[m.group(1)] = ("bwd:" if "transpose(" in raw else "fwd:") + clean
+    return out
+
+
+def _trace_events(trace_dir: Path) -> list[dict[str, Any]]:
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) + sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no trace JSON under {trace_dir}")
+    with gzip.open(files[-1], "rt") as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -> dict[str, Any]:
+    """Seconds per step by model part and the top ops, from complete ("X") trace events that name
+    an HLO instruction of the step."""
+    per_part: dict[str, float] = collections.defaultdict(float)
+    per_op: dict[str, float] = collections.defaultdict(float)
+    per_pass: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        name = e["name"]
+        if name not in names:
+            continue
+        sec = e["dur"] * 1e-6 / steps
+        per_part[part_of(names[name])] += sec
+        per_op[name] += sec
+        per_pass[names[name][:3]] += sec
+    total = sum(per_part.values())
+    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "op_seconds_per_step": total,
+        "parts": {
+            k: {"s": v, "share": v / total if total else 0.0}
+            for k, v in sorted(per_part.items(), key=lambda kv: -kv[1])
+        },
+        "passes": dict(per_pass),
+        "top_ops": [{"op": k, "s": v, "op_name": names[k]} for k, v in top],
+    }
+
+
+def profile_train_step(
+    bench: BenchConfig, *, steps: int = 2, trace_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """Build and warm up the jaxpi step on a fresh random checkpoint, trace `steps` calls, and
+    summarize the trace by model part."""
+    from jaxpi.bench.train_step import bench_tokens, build_jaxpi_step, write_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="jaxpi-profile-") as tmp:
+        ckpt = write_checkpoint(bench, Path(tmp) / "ckpt")
+        built = build_jaxpi_step(bench, ckpt, bench_tokens(bench))
+    step, batch = built["step"], built["batch"]
+    params, opt = built["params"], built["opt_state"]
+    for _ in range(bench.warmup):
+        params, opt, metrics = step(params, opt, batch)
+        jax.block_until_ready(metrics)
+    out_dir = Path(trace_dir or tempfile.mkdtemp(prefix="jaxpi-trace-"))
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        for _ in range(steps):
+            params, opt, metrics = step(params, opt, batch)
+            jax.block_until_ready(metrics)
+    hlo = step.as_text()
+    (out_dir / "step.hlo.txt").write_text(hlo)  # to read an op's fusion after the fact
+    res = summarize(_trace_events(out_dir), op_names(hlo), steps)
+    res["trace_dir"] = str(out_dir)
+    res["steps"] = steps
+    return res
