@@ -1,5 +1,6 @@
 """`jaxpi bench`: the analytic FLOP count against a hand count, the model and XLA; every subcommand
-run through the CLI on the tiny config, checking that the report's fields are present and sane.
+run through the CLI on the tiny config, checking that the report's fields are present and sane;
+the profile's op-time summary on a hand-written HLO and trace (a real traced step is `slow`).
 
 Speed is measured, never asserted: the figures only have to be finite, positive, ordered
 (min ≤ median ≤ max) and consistent with each other.
@@ -188,3 +189,58 @@ def test_gdn_inputs_are_seeded():
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert np.all(a["g"] <= 0) and np.all((a["beta"] > 0) & (a["beta"] < 1))
     assert jnp.asarray(a["q"]).shape == (1, 8, 6, 16)
+
+
+HLO = """
+  %fusion.1 = f32[4,8]{1,0} fusion(%p0), kind=kLoop, metadata={op_name="jit(step)/jvp(layer_groups)/mlp/btd,df->btf/dot_general" stack_frame_id=1}
+  %copy_fusion.2 = f32[8,4]{1,0} fusion(%p1), kind=kLoop, metadata={op_name="jit(step)/transpose(jvp(layer_groups))/mixer/delta_rule/ut_transform/dot_general"}
+  ROOT %while.3 = (f32[2]) while(%t), condition=%c, body=%b, metadata={op_name="jit(step)/jvp(layer_groups)/while"}
+  %ynn_fusion.4 = f32[4,16]{1,0} fusion(%p2), kind=kCustom, metadata={op_name="jit(step)/btd,dv->btv/dot_general"}
+"""
+
+
+def test_profile_summary_sums_op_time_by_model_part():
+    from jaxpi.bench.profile import op_names, summarize
+
+    names = op_names(HLO)
+    # control flow spans its body's ops, which are traced themselves: left out, not counted twice
+    assert set(names) == {"fusion.1", "copy_fusion.2", "ynn_fusion.4"}
+    assert names["fusion.1"] == "fwd:/layer_groups/mlp/btd,df->btf/dot_general"
+    assert names["copy_fusion.2"].startswith("bwd:/layer_groups/mixer/delta_rule/ut_transform")
+    events = [
+        {"name": "fusion.1", "dur": 3000.0},
+        {"name": "copy_fusion.2", "dur": 1000.0},
+        {"name": "copy_fusion.2", "dur": 1000.0},
+        {"name": "ynn_fusion.4", "dur": 2000.0},
+        {"name": "while.3", "dur": 9000.0},
+        {"name": "not-an-op", "dur": 5000.0},
+    ]
+    s = summarize(events, names, steps=2)
+    assert s["op_seconds_per_step"] == pytest.approx(3.5e-3)
+    assert s["parts"]["mlp"]["s"] == pytest.approx(1.5e-3)
+    assert s["parts"]["deltanet: (I+A)^-1 and U, W (ut_transform)"]["s"] == pytest.approx(1e-3)
+    assert s["parts"]["LM head"]["share"] == pytest.approx(1 / 3.5)
+    assert s["passes"] == pytest.approx({"fwd": 2.5e-3, "bwd": 1e-3})
+    assert s["top_ops"][0]["op"] == "fusion.1"
+
+
+@pytest.mark.slow
+def test_profile_traces_the_real_step(capsys, tmp_path):
+    rep = _run(
+        capsys,
+        "profile",
+        "--preset",
+        "tiny",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--trace-dir",
+        str(tmp_path),
+        "--json",
+    )
+    p = rep["results"]["profile"]
+    assert p["op_seconds_per_step"] > 0 and (tmp_path / "step.hlo.txt").exists()
+    # the model's scopes are found: DeltaNet, MLP and the LM head each get time
+    assert {"mlp", "LM head", "deltanet: chunk scan (state carry)"} <= set(p["parts"])
+    assert sum(v["share"] for v in p["parts"].values()) == pytest.approx(1.0)
