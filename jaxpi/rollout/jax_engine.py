@@ -108,7 +108,10 @@ class JaxEngine:
         self._graphdef, state = nnx.split(model)
         self._state = _detach(state)
         self._cache = model.init_cache(batch_size, max_len, dtype)
-        self._last = jnp.zeros((batch_size, self.vocab_size), jnp.float32)  # each slot's next-token logits
+        # Next-token logits and log-probs in at least float32 (bf16 upcast); a float64 model keeps
+        # float64, so numerical checks of the engine against the trainer see no float32 floor.
+        logit_dtype = jnp.promote_types(model.embed[...].dtype, jnp.float32)
+        self._last = jnp.zeros((batch_size, self.vocab_size), logit_dtype)  # each slot's next-token logits
         self._slots: list[int | None] = [None] * batch_size
         self._live: dict[int, _Live] = {}
         self._next_id = 0
@@ -119,7 +122,7 @@ class JaxEngine:
 
         def prefill(state, cache, last, tokens, active):
             logits, new = forward(state, tokens, cache)  # [B, T, V]
-            last = jnp.where(active[:, None], logits[:, -1].astype(jnp.float32), last)
+            last = jnp.where(active[:, None], logits[:, -1].astype(logit_dtype), last)
             return select_rows(active, new, cache), last
 
         def decode(state, cache, last, budget, row_keys, temperature, top_p, stop_ids, *, n_cap):
@@ -130,8 +133,8 @@ class JaxEngine:
                 last,
                 budget <= 0,  # done
                 jnp.zeros((b, n_cap), jnp.int32),  # tokens
-                jnp.zeros((b, n_cap), jnp.float32),  # raw log-probs
-                jnp.zeros((b, n_cap), jnp.float32),  # sampling log-probs
+                jnp.zeros((b, n_cap), logit_dtype),  # raw log-probs
+                jnp.zeros((b, n_cap), logit_dtype),  # sampling log-probs
                 jnp.zeros((b,), jnp.int32),  # tokens emitted
                 jnp.zeros((b,), bool),  # ended on a stop token
             )
@@ -155,7 +158,7 @@ class JaxEngine:
                 # Every emitted token enters the cache, so the next turn continues after it.
                 logits, new = forward(state, tok[:, None], cache)
                 cache = select_rows(live, new, cache)
-                last = jnp.where(live[:, None], logits[:, 0].astype(jnp.float32), last)
+                last = jnp.where(live[:, None], logits[:, 0].astype(logit_dtype), last)
                 done = done | hit | (n_out >= budget)
                 return i + 1, cache, last, done, toks, raw, proc, n_out, stopped | hit
 

@@ -1,6 +1,6 @@
 """Temperature / nucleus sampling and per-token log-probabilities, as pure functions over logits.
 
-For logits ℓ [B, V] (upcast to float32):
+For logits ℓ [B, V] (upcast to float32 if narrower; float64 stays float64):
 
     raw      = log_softmax(ℓ)                          what the trainer recomputes (temperature 1)
     scaled   = ℓ / T
@@ -18,9 +18,14 @@ import jax
 import jax.numpy as jnp
 
 
+def _widen(logits: jax.Array) -> jax.Array:
+    """bf16/fp16 logits to float32; float32 and float64 unchanged (float64 for numerical checks)."""
+    return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
 def nucleus_logprobs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
     """Log-probabilities `[B, V]` of the processed distribution (temperature > 0)."""
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    scaled = _widen(logits) / jnp.maximum(temperature, 1e-6)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     desc = -jnp.sort(-logp, axis=-1)  # [B, V], most likely first
     # Probability mass of the tokens before each one in sorted order; the first is always kept.
@@ -38,7 +43,7 @@ def sample_tokens(
 
     `keys` holds one PRNG key per row; `temperature` 0 selects the argmax (sampling log-prob 0).
     """
-    logits = logits.astype(jnp.float32)
+    logits = _widen(logits)
     raw = jax.nn.log_softmax(logits, axis=-1)
     proc = nucleus_logprobs(logits, temperature, top_p)
     drawn = jax.vmap(jax.random.categorical)(keys, proc)
