@@ -32,6 +32,10 @@ temperature 1, 128 new tokens a turn, 3 turns, context 512):
     xhigh        32    0.00    0.41        52.9 ± 27.6 (9-128)
     T_L/T_M = 1.30, T_M/T_H = 0.73
 
+With train.steps=450 (6.8 min, loss 0.47-0.66) the lengths sharpen to the data's ordering:
+low 51.3 ± 23.1, medium 22.7 ± 8.6, xhigh 64.7 ± 21.3 (T_L/T_M = 2.26, T_M/T_H = 0.35),
+malformed 0.53 / 0.53 / 0.31, pass rate still 0.00 at every level.
+
 The ordering and the spread are there; the copy is not. Per-token losses on held-out sessions
 show the template, the phrase cycle and the stop decisions learned (loss < 0.05 a token) but
 the key and number tokens at chance (4-12 nats) after 150-300 steps in every setting tried
