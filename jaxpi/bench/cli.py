@@ -69,7 +69,7 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
     """Matmul peak, then the jaxpi step (and the torch step) on one checkpoint and token batch."""
     from jaxpi.bench.flops import train_step_flops
     from jaxpi.bench.peak import matmul_peak
-    from jaxpi.bench.timing import ratio
+    from jaxpi.bench.timing import rate, ratio
     from jaxpi.bench.train_step import bench_tokens, jaxpi_train_step, write_checkpoint
 
     say(f"matmul peak ({bench.dtype}, n={bench.peak_n})")
@@ -92,11 +92,7 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
             # > 1: jaxpi processes more tokens per second than transformers + peft
             res["speedup_tokens_per_s"] = ratio(res["jaxpi"]["tokens_per_s"], res["torch"]["tokens_per_s"])
             t = res["torch"]
-            t["flop_per_s"] = {
-                k: res["flops"]["total"] / bench.tokens * v if k != "repeats" else v
-                for k, v in t["tokens_per_s"].items()
-                if k != "values"
-            }
+            t["flop_per_s"] = rate(res["flops"]["total"], t["step_s"]["values"])
             t["mfu"] = t["flop_per_s"]["median"] / peak["flop_per_s"]["median"]
     return res
 
@@ -321,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         repeats=args.repeats,
         warmup=args.warmup,
-        threads=args.threads or default_threads(),
+        threads=default_threads(),  # after _limit_threads: what XLA and torch actually get
         seed=args.seed,
     )
     report = run(command, bench, args)

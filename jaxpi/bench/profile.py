@@ -23,6 +23,7 @@ import jax
 from jaxpi.bench.config import BenchConfig
 
 # (part, substrings of op_name that put an op there), first match wins: the innermost scopes first.
+# "scan carry" collects the layer-group scan's own slicing and stacking (outside any layer scope).
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("deltanet: (I+A)^-1 and U, W (ut_transform)", ("ut_transform",)),
     ("deltanet: chunk scan (state carry)", ("chunk_scan",)),
@@ -34,7 +35,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: scores, softmax, P·V", ("/scores", "/mask", "softmax", "bkgtu,bukd")),
     ("attention: q/k/v projections, norms, rope", ("/qkv",)),
     ("mlp", ("/mlp",)),
-    ("mixer (other: o_proj, attention PV, residual)", ("/mixer",)),
+    ("mixer, other (o_proj, softmax reductions, residual)", ("/mixer",)),
     ("LM head", ("btd,dv->btv",)),
     ("scan carry (stacking residuals / weights per layer group)", ("dynamic_update_slice", "dynamic_slice")),
 )
