@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint format clean
+.PHONY: install system-deps demo demo-full test test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,10 +14,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# bubblewrap sandboxes model-issued commands (jaxpi.sandbox); installed from Debian when we can.
+system-deps:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) ; } || \
+		echo "bubblewrap (bwrap) is missing: the sandbox tests will be skipped; apt-get install bubblewrap"
+
 demo: $(STAMP)
 	$(BIN)/jaxpi demo --out demo_out
 
-test: $(STAMP)
+# The whole toy-scale comparison of effort-ordered and binary GRPO (tens of minutes on 2 cores).
+demo-full: $(STAMP)
+	$(BIN)/jaxpi demo --full --out demo_full_out
+
+test: $(STAMP) system-deps
 	$(BIN)/pytest -m "not slow" -q
 
 test-slow: $(STAMP)
@@ -32,4 +42,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix jaxpi sharding tests tools
 
 clean:
-	rm -rf demo_out .pytest_cache .ruff_cache
+	rm -rf demo_out demo_full_out .pytest_cache .ruff_cache

@@ -103,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Parity, a short LoRA SFT on the demo Pi sessions, export, and the adapter reloaded in peft."""
     from jaxpi.demo import run_demo
 
-    return run_demo(args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json)
+    return run_demo(args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json, full=args.full)
 
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "sharding"
@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq-len", type=int, default=48, help="sequence length of the parity check")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
+    demo.add_argument(
+        "--full", action="store_true", help="run the whole effort-ordered vs binary GRPO comparison (longer)"
+    )
     demo.set_defaults(fn=cmd_demo)
     from jaxpi.bench import cli as bench_cli
 

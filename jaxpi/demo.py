@@ -5,6 +5,9 @@
     3. export   the last checkpoint → a peft adapter directory
     4. reload   `peft.PeftModel.from_pretrained` on the transformers base; its logits against
                 jaxpi's with the same adapter, on a held-out demo session
+    5. grpo     the toy-scale effort-ordered GRPO result (`jaxpi.rl.toy_result`): SFT that breaks
+                cost ordering, then effort-ordered vs binary GRPO from it, and their table
+                (a few updates; `--full` runs the whole comparison)
 
 Each stage is skipped when its output already exists, so a rerun picks up where it stopped.
 """
@@ -49,7 +52,7 @@ def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, An
         make_checkpoint(ckpt, TINY.replace(num_hidden_layers=8), kind="conditional", seed=seed)
     cfg, model = load_hf(ckpt)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    say(f"[1/4] parity  {ckpt}: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
+    say(f"[1/5] parity  {ckpt}: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
     report = parity(ckpt, seq_len=seq_len, batch=2, seed=seed)
     say(report.table())
     return report.to_json()
@@ -62,7 +65,7 @@ def run_training(root: Path, say: Any, progress: bool) -> dict[str, Any]:
     from jaxpi.train.sft import SFTConfig, run_sft
 
     run_dir = root / "sft"
-    say(f"[2/4] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir}")
+    say(f"[2/5] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir}")
     cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}"])
     summary = run_sft(cfg, progress=progress, out=sys.stdout if progress else sys.stderr)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -80,7 +83,7 @@ def run_export(root: Path, say: Any) -> dict[str, Any]:
     adapter = root / "adapter"
     summary = export(root / "sft", adapter, overwrite=True)
     say(
-        f"[3/4] export  jaxpi export --adapter {root / 'sft'} --out {adapter}: "
+        f"[3/5] export  jaxpi export --adapter {root / 'sft'} --out {adapter}: "
         f"{summary['modules']} modules, r={summary['rank']}, files {summary['files']}"
     )
     return summary
@@ -124,7 +127,7 @@ def run_reload(root: Path, say: Any) -> dict[str, Any]:
         "passed": rel(ours, theirs) <= 1e-4,
     }
     say(
-        f"[4/4] reload  peft.PeftModel.from_pretrained({adapter.name}) on transformers vs jaxpi, "
+        f"[4/5] reload  peft.PeftModel.from_pretrained({adapter.name}) on transformers vs jaxpi, "
         f"{ids.size} tokens of a held-out session: logits rel err {out['rel_err_vs_peft']:.2e} "
         f"(bar 1e-4; the adapter moves the logits by {out['adapter_effect']:.2e}) "
         + ("PASS" if out["passed"] else "FAIL")
@@ -144,7 +147,23 @@ def _held_out_ids(run_dir: Path, base: Path, report: dict[str, Any]) -> np.ndarr
     return np.asarray(example["input_ids"][:256], np.int32)
 
 
-def run_demo(out: str | Path | None, *, seed: int = 0, seq_len: int = 32, as_json: bool = False) -> int:
+def run_grpo_comparison(root: Path, say: Any, progress: bool, full: bool) -> dict[str, Any]:
+    import sys
+
+    from jaxpi.rl.toy_result import run_comparison
+
+    say(
+        f"[5/5] grpo  effort-ordered vs binary GRPO on the toy lookup environment ({'full' if full else 'short'})"
+    )
+    result = run_comparison(
+        root / "grpo", full=full, progress=progress, say=say, out=sys.stdout if progress else sys.stderr
+    )
+    return {"runs": result["runs"], "table": result["report"]["table"], "images": result["report"]["images"]}
+
+
+def run_demo(
+    out: str | Path | None, *, seed: int = 0, seq_len: int = 32, as_json: bool = False, full: bool = False
+) -> int:
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="jaxpi-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if as_json else print
@@ -153,6 +172,7 @@ def run_demo(out: str | Path | None, *, seed: int = 0, seq_len: int = 32, as_jso
     result["sft"] = run_training(root, say, progress=not as_json)
     result["export"] = run_export(root, say)
     result["reload"] = run_reload(root, say)
+    result["grpo"] = run_grpo_comparison(root, say, progress=not as_json, full=full)
     ok = result["parity"]["passed"] and result["reload"]["passed"]
     ok = ok and result["sft"]["losses"][-1] < result["sft"]["losses"][0]
     if as_json:

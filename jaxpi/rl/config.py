@@ -36,6 +36,7 @@ class EnvConfig:
     eval_tasks: int = 16  # held-out tasks (another seed) for the evaluation collections
     seed: int = 0
     keys_per_task: int = 3
+    max_value: int = 100  # values are 0 .. max_value-1 (a small range makes a lucky guess likely)
 
     def __post_init__(self) -> None:
         errors = []
@@ -45,8 +46,10 @@ class EnvConfig:
             errors.append(
                 f"env.train_tasks must be >= 1 and env.eval_tasks >= 0, got {self.train_tasks}, {self.eval_tasks}"
             )
-        if self.keys_per_task < 1:
-            errors.append(f"env.keys_per_task must be >= 1, got {self.keys_per_task}")
+        if self.keys_per_task < 1 or self.max_value < 1:
+            errors.append(
+                f"env.keys_per_task and env.max_value must be >= 1, got {self.keys_per_task}, {self.max_value}"
+            )
         if errors:
             raise ValueError("; ".join(errors))
 

@@ -227,8 +227,9 @@ def make_env(cfg: GRPOConfig) -> tuple[Any, list[Any], list[Any]]:
 
     e = cfg.env
     if e.name == "lookup":
-        pool = make_tasks(e.train_tasks, e.seed, keys_per_task=e.keys_per_task)
-        held = make_tasks(e.eval_tasks, e.seed + 1_000_003, keys_per_task=e.keys_per_task)
+        kw = {"keys_per_task": e.keys_per_task, "max_value": e.max_value}
+        pool = make_tasks(e.train_tasks, e.seed, **kw)
+        held = make_tasks(e.eval_tasks, e.seed + 1_000_003, **kw)
         return LookupEnv(), pool, held
     raise ValueError(f"unknown env.name {e.name!r}")
 
@@ -245,7 +246,7 @@ class Collector:
 
         c = self.cfg.collect
         pairs = [(t, level) for t in tasks for level in self.cfg.reward.levels for _ in range(group)]
-        wave = c.engine_batch or len(pairs)
+        wave = min(len(pairs), c.engine_batch or self.engine.batch_size)
         out: list[Any] = []
         for start in range(0, len(pairs), wave):
             # Seeds follow the attempt's index in the collection, not the wave layout's.
@@ -462,7 +463,7 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
             }
             log.write(rec)
             print(
-                f"update {s + 1:4d}/{cfg.train.collections}: {_levels_line(rec, levels, '')} | loss {loss:+.4f} "
+                f"update {s + 1:4d}/{cfg.train.collections}: {_levels_line(rec, levels, '')} | grad norm {grad_norm:.3f} "
                 f"| {t_collect:.1f}s collect, {t_update:.1f}s update",
                 file=out,
                 flush=True,

@@ -39,6 +39,7 @@ from jaxpi.lora import LoraConfig
 from jaxpi.train.schedule import OptimConfig
 
 TINY_RANDOM = "tiny-random"
+TOY_RANDOM = "toy-random"  # tiny-random reshaped so a LoRA can learn the toy environment (make_toy_base)
 DEMO_SESSIONS = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "sessions")
 TINY_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer")
 
@@ -46,7 +47,8 @@ TINY_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_toke
 # ---- config --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    base: str = TINY_RANDOM  # HF checkpoint directory, or "tiny-random" (written into the run dir)
+    # HF checkpoint directory, or "tiny-random" / "toy-random" (written into the run dir)
+    base: str = TINY_RANDOM
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
     remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch
     tiny_layers: int = 4  # depth of the "tiny-random" base
@@ -80,6 +82,7 @@ class DataConfig:
     toy_examples: int = 384
     toy_levels: tuple[str, ...] = ("low", "medium", "xhigh")
     toy_reasoning: tuple[int, ...] = ()
+    toy_max_value: int = 100  # the tasks' values are 0 .. toy_max_value-1 (ToySFTConfig.max_value)
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
@@ -117,10 +120,10 @@ class DataConfig:
         from jaxpi.envs.toy_sft import ToySFTConfig
 
         if not self.toy_reasoning:
-            return ToySFTConfig(levels=self.toy_levels)
+            return ToySFTConfig(levels=self.toy_levels, max_value=self.toy_max_value)
         r = self.toy_reasoning
         spans = {lv: (r[2 * i], r[2 * i + 1]) for i, lv in enumerate(self.toy_levels)}
-        return ToySFTConfig(levels=self.toy_levels, reasoning=spans)
+        return ToySFTConfig(levels=self.toy_levels, reasoning=spans, max_value=self.toy_max_value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +292,9 @@ def _jsonable(obj: Any) -> Any:
 
 # ---- base checkpoint -----------------------------------------------------------------------------
 def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
-    """The base checkpoint directory; "tiny-random" writes `<run dir>/base` once (a temporary
-    directory renamed into place, so a killed start never leaves a half-written base)."""
-    if cfg.model.base != TINY_RANDOM:
+    """The base checkpoint directory; "tiny-random" / "toy-random" write `<run dir>/base` once (a
+    temporary directory renamed into place, so a killed start never leaves a half-written base)."""
+    if cfg.model.base not in (TINY_RANDOM, TOY_RANDOM):
         base = Path(cfg.model.base).absolute()
         if not (base / "config.json").exists():
             raise FileNotFoundError(f"model.base {base} has no config.json (expected an HF checkpoint dir)")
@@ -299,6 +302,10 @@ def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
     base = run_dir / "base"
     if (base / "config.json").exists():
         return base
+    if cfg.model.base == TOY_RANDOM:
+        from jaxpi.envs.toy_sft import make_toy_base
+
+        return make_toy_base(base, seed=cfg.train.seed, layers=cfg.model.tiny_layers)
     from jaxpi.config import TINY
     from jaxpi.hf_fixtures import make_checkpoint
 
