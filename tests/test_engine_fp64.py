@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxpi import TINY, load_hf
@@ -137,6 +138,9 @@ def measure(ckpt: str, dtype: str) -> dict:
     }
 
 
+# ~70 s alone (a float64 subprocess next to the float32 run): in `make test-slow`. `make test`
+# holds the float32 comparison (tests/test_jax_engine.py), this test explains its size.
+@pytest.mark.slow
 def test_engine_equals_trainer_in_float64_and_the_float32_gap_is_precision(tmp_path):
     from jaxpi.hf_fixtures import make_checkpoint
 
