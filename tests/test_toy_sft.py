@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from test_agent_loop import spans  # the supervised runs of a mask, as the agent-loop tests read them
 
 from jaxpi.configfile import load_config
 from jaxpi.data.render import RenderConfig, load_tokenizer
@@ -35,17 +36,6 @@ def tok():
 @pytest.fixture(scope="module")
 def trajs(tok):
     return toy_trajectories(45, 5, tok, render_cfg=RenderConfig(TOK_DIR))
-
-
-def spans(mask):
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def test_sessions_are_deterministic(tok):
