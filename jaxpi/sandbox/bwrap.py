@@ -76,6 +76,7 @@ def bwrap_argv(
     fds: Mapping[str, int],
     relay_args: Sequence[str] = (),
     mounts: Mapping[str, Path] | None = None,
+    rw_mounts: Mapping[str, Path] | None = None,
 ) -> list[str]:
     """The full bwrap command line (pure but for a look at the host's top-level directories).
 
@@ -92,6 +93,8 @@ def bwrap_argv(
         args += ["--ro-bind", path, path]
     for inside, host in (mounts or {}).items():
         args += ["--ro-bind", str(host), inside]
+    for inside, host in (rw_mounts or {}).items():
+        args += ["--bind", str(host), inside]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     args += ["--bind-fd", str(fds["workspace"]), cfg.workspace_mount, "--chdir", cfg.workspace_mount]
     inner = nproc_argv(cfg)
@@ -166,10 +169,13 @@ def run_sandboxed(
     env: Mapping[str, str] | None = None,
     stdin: str | bytes | None = None,
     mounts: Mapping[str, str | Path] | None = None,
+    rw_mounts: Mapping[str, str | Path] | None = None,
 ) -> SandboxResult:
     """Run `argv` in a fresh sandbox over `workspace` and wait for it (at most cfg.wall_seconds).
 
-    `mounts` maps paths inside to host paths bound read-only there (a verifier's tests, an oracle).
+    `mounts` maps paths inside to host paths bound read-only there (a verifier's tests, an oracle);
+    `rw_mounts` maps paths inside to host directories bound writable (an agent's config home, kept
+    apart from the workspace the verifier sees), handed to the sandbox uid like the workspace.
     """
     cfg = cfg or SandboxConfig()
     if not argv:
@@ -183,18 +189,22 @@ def run_sandboxed(
     if cfg.use_cgroups and cgroups is None:
         raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
     ro_mounts = {inside: Path(host).resolve() for inside, host in (mounts or {}).items()}
-    for inside, host in ro_mounts.items():
+    rw = {inside: Path(host).resolve() for inside, host in (rw_mounts or {}).items()}
+    for inside, host in [*ro_mounts.items(), *rw.items()]:
         if not Path(inside).is_absolute() or inside in ("/", cfg.workspace_mount) or not host.exists():
             raise ValueError(
                 f"run_sandboxed: bad mount {inside!r} -> {host} (absolute, not / or the workspace, host path must exist)"
             )
+    for inside, host in rw.items():
+        if not host.is_dir():
+            raise ValueError(f"run_sandboxed: writable mount {inside!r} -> {host} must be a directory")
     # Without a pids cgroup, RLIMIT_NPROC is the process limit, and the kernel never applies it to
     # host root: a root caller's sandbox then runs as the unprivileged cfg.host_uid.
     drop_to = cfg.host_uid if os.geteuid() == 0 and cgroups is None else None
     if drop_to is not None:
-        for path in [ws, *ro_mounts.values()]:
+        for path in [ws, *ro_mounts.values(), *rw.values()]:
             _check_reachable(path)
-    owner = ws.stat()
+    owners = {path: path.stat() for path in [ws, *rw.values()]}
     relay_dir = Path(tempfile.mkdtemp(prefix="jaxpi-relay-")) if cfg.endpoints else None
     relay = None
     info_r, info_w = os.pipe()
@@ -208,15 +218,17 @@ def run_sandboxed(
             fds["relay_dir"] = os.open(relay_dir, os.O_PATH | os.O_DIRECTORY)
             shutil.copy(INNER_RELAY, relay_dir / "relay.py")
         if drop_to is not None:
-            _chown_tree(ws, drop_to, drop_to)
-        cmd = launch_prefix(cfg, cgroups) + bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts)
+            for path in owners:
+                _chown_tree(path, drop_to, drop_to)
+        cmd = launch_prefix(cfg, cgroups) + bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts, rw)
         return _supervise(cmd, cfg, cgroups, info_r, fds, stdin, drop_to)
     finally:
         for fd in [info_r, *fds.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         if drop_to is not None:
-            _chown_tree(ws, owner.st_uid, owner.st_gid)
+            for path, owner in owners.items():
+                _chown_tree(path, owner.st_uid, owner.st_gid)
         if relay is not None:
             relay.close()
         if relay_dir is not None:

@@ -1,0 +1,95 @@
+"""An isolated Pi config home per attempt (`PI_CODING_AGENT_DIR`): models.json, settings.json.
+
+Pi reads everything from its agent dir (`dist/config.js`: `PI_CODING_AGENT_DIR`, else
+`~/.pi/agent`), so one fresh directory per attempt keeps attempts from seeing each other or the
+user's own Pi. The provider is an `openai-completions` one whose `baseUrl` is the gateway and whose
+`apiKey` is the attempt id: Pi sends it as `Authorization: Bearer <id>`, which is how the gateway
+files each call under its attempt.
+
+Thinking levels (`pi --thinking LEVEL`) reach the server as `reasoning_effort` (pi-ai's
+openai-completions provider: `params.reasoning_effort = thinkingLevelMap[level] ?? level` for
+`reasoning: true` models). Pi hides `xhigh` unless the model's map names it, so the map lists every
+level as itself; `off` sends no `reasoning_effort` at all.
+
+`compat` turns off what a plain OpenAI-compatible server does not speak: the `developer` role (the
+system prompt goes as `system`) and `store`. Compaction and Pi's own retries are off: a compaction
+summary or a retried call would be a model call that is not part of the attempt's behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PROVIDER = "jaxpi"
+LEVELS = ("off", "minimal", "low", "medium", "high", "xhigh")
+
+
+def models_json(
+    base_url: str, api_key: str, model_id: str, *, context_window: int, max_tokens: int
+) -> dict[str, Any]:
+    """Pi's models.json for one provider serving one reasoning model (pure)."""
+    if context_window < 1 or max_tokens < 1:
+        raise ValueError(f"context_window and max_tokens must be >= 1, got {context_window}, {max_tokens}")
+    return {
+        "providers": {
+            PROVIDER: {
+                "baseUrl": base_url.rstrip("/"),
+                "api": "openai-completions",
+                "apiKey": api_key,
+                "compat": {
+                    "supportsDeveloperRole": False,
+                    "supportsStore": False,
+                    "supportsReasoningEffort": True,
+                    "supportsUsageInStreaming": True,
+                    "maxTokensField": "max_tokens",
+                },
+                "models": [
+                    {
+                        "id": model_id,
+                        "name": model_id,
+                        "reasoning": True,
+                        "thinkingLevelMap": {lv: lv for lv in LEVELS if lv != "off"},
+                        "input": ["text"],
+                        "contextWindow": context_window,
+                        "maxTokens": max_tokens,
+                        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                    }
+                ],
+            }
+        }
+    }
+
+
+def settings_json(model_id: str, level: str) -> dict[str, Any]:
+    """Pi's settings.json: our provider/model/level by default; no compaction, no retries."""
+    if level not in LEVELS:
+        raise ValueError(f"thinking level must be one of {LEVELS}, got {level!r}")
+    return {
+        "defaultProvider": PROVIDER,
+        "defaultModel": model_id,
+        "defaultThinkingLevel": level,
+        "quietStartup": True,
+        "compaction": {"enabled": False},
+        "retry": {"enabled": False, "provider": {"maxRetries": 0}},
+    }
+
+
+def write_pi_home(
+    home: Path,
+    *,
+    base_url: str,
+    api_key: str,
+    model_id: str,
+    level: str,
+    context_window: int,
+    max_tokens: int,
+) -> Path:
+    """Fill `home` (an empty directory) as Pi's agent dir; returns it."""
+    home.mkdir(parents=True, exist_ok=True)
+    models = models_json(base_url, api_key, model_id, context_window=context_window, max_tokens=max_tokens)
+    (home / "models.json").write_text(json.dumps(models, indent=2))
+    (home / "settings.json").write_text(json.dumps(settings_json(model_id, level), indent=2))
+    (home / "sessions").mkdir(exist_ok=True)
+    return home
