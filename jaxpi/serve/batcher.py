@@ -1,0 +1,162 @@
+"""Concurrent requests into few engine calls: one worker thread owns the engine.
+
+Request threads `submit` rows (one per prompt and choice) and wait. The worker takes the first
+waiting row, keeps gathering for `wait_s` (or until `max_rows` are waiting), groups the rows by
+what one `engine.generate` call must share (temperature, top-p, stop ids, seed), and runs each
+group with the largest `max_tokens` among its rows; a row asking for fewer tokens is cut at its
+own limit afterwards. Cutting is exact: sampling keys depend on (seed, row, position) only, and
+tokens after the cut never influence the ones before it. The engine's shapes are bucketed
+(prefill chunks, power-of-two decode buffers), so a new batch composition compiles nothing new.
+
+Rows without a seed share a per-batch seed the server draws; their rows get distinct keys.
+A seeded row reproduces when sent alone (row 0) or in the same batch position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpi.rollout.engine import Completion, SamplingParams
+
+
+@dataclasses.dataclass
+class Row:
+    """One prompt to complete; `done` is set when `result` or `error` is filled."""
+
+    prompt: list[int]
+    params: SamplingParams  # max_new_tokens: this row's own limit
+    seeded: bool
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: Completion | None = None
+    error: BaseException | None = None
+
+    def key(self) -> tuple:
+        p = self.params
+        return (p.temperature, p.top_p, p.stop_token_ids, p.seed if self.seeded else None)
+
+
+def cut(c: Completion, n: int) -> Completion:
+    """The completion as if sampled with max_new_tokens = n."""
+    if len(c.token_ids) <= n:
+        return c
+    return dataclasses.replace(
+        c,
+        token_ids=c.token_ids[:n],
+        logprobs=c.logprobs[:n],
+        sampling_logprobs=c.sampling_logprobs[:n],
+        finish_reason="length",
+    )
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters `GET /jaxpi/stats` reports."""
+
+    requests: int = 0
+    rows: int = 0
+    engine_calls: int = 0
+    batched_rows_max: int = 0
+    completion_tokens: int = 0
+    busy_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Batcher:
+    def __init__(self, engine: Any, *, max_rows: int, wait_s: float, seed: int = 0):
+        self.engine, self.max_rows, self.wait_s = engine, max_rows, wait_s
+        self.stats = Stats()
+        self._q: queue.Queue[Row | None] = queue.Queue()
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxpi-serve-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: Sequence[Row], timeout: float | None = None) -> list[Completion]:
+        """Queue the rows of one request and wait for all of them."""
+        if self._stop.is_set():
+            raise RuntimeError("the server is shutting down")
+        with self._lock:
+            self.stats.requests += 1
+        for r in rows:
+            self._q.put(r)
+        for r in rows:
+            if not r.done.wait(timeout):
+                raise TimeoutError(f"no completion within {timeout} s")
+            if r.error is not None:
+                raise r.error
+        return [r.result for r in rows]  # type: ignore[misc]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- worker ---------------------------------------------------------------------------------
+    def _gather(self, first: Row) -> list[Row]:
+        rows = [first]
+        deadline = time.monotonic() + self.wait_s
+        while len(rows) < self.max_rows:
+            left = deadline - time.monotonic()
+            try:
+                r = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
+            except queue.Empty:
+                break
+            if r is None:  # shutdown: finish what we hold, then stop
+                self._stop.set()
+                break
+            rows.append(r)
+        return rows
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            first = self._q.get()
+            if first is None:
+                break
+            rows = self._gather(first)
+            groups: dict[tuple, list[Row]] = {}
+            for r in rows:
+                groups.setdefault(r.key(), []).append(r)
+            for key, members in groups.items():
+                seed = key[3] if key[3] is not None else int(self._rng.integers(0, 2**31 - 1))
+                self._generate(members, seed)
+        while True:  # fail whatever is still queued
+            try:
+                r = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if r is not None:
+                r.error = RuntimeError("the server shut down before this request ran")
+                r.done.set()
+
+    def _generate(self, rows: list[Row], seed: int) -> None:
+        params = dataclasses.replace(
+            rows[0].params, seed=seed, max_new_tokens=max(r.params.max_new_tokens for r in rows)
+        )
+        t0 = time.perf_counter()
+        try:
+            comps = self.engine.generate([r.prompt for r in rows], params)
+        except BaseException as e:  # reported to each waiting request; the worker lives on
+            for r in rows:
+                r.error, _ = e, r.done.set()
+            return
+        with self._lock:
+            s = self.stats
+            s.engine_calls += 1
+            s.rows += len(rows)
+            s.batched_rows_max = max(s.batched_rows_max, len(rows))
+            s.busy_s += time.perf_counter() - t0
+            for r, c in zip(rows, comps, strict=True):
+                r.result = cut(c, r.params.max_new_tokens)
+                s.completion_tokens += len(r.result.token_ids)
+        for r in rows:
+            r.done.set()

@@ -1,0 +1,81 @@
+"""`jaxpi serve`: the OpenAI-compatible server on the embedded JAX engine, until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+
+def add_subparser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server (chat with tools and reasoning, token-id completions) on the JAX engine",
+        description="Serve a checkpoint over /v1/chat/completions (streaming or not), /v1/completions "
+        "(token-id prompts, logprobs, token ids: vLLM's rollout surface), /v1/models and /health. "
+        "Concurrent requests are batched into one engine call. See docs/serve.md.",
+    )
+    p.add_argument("--model", required=True, help="HF checkpoint dir, or a jaxpi SFT/GRPO run/checkpoint dir")
+    p.add_argument(
+        "--adapter", default=None, help="jaxpi (orbax) checkpoint or PEFT adapter dir on top of --model"
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir when the checkpoint has none")
+    p.add_argument("--served-name", default=None, help="model id clients use (default: the dir's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--max-batch", type=int, default=8, help="engine rows decoded together")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch gathers requests")
+    p.add_argument(
+        "--max-len", type=int, default=4096, help="context limit per request (prompt + completion)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="default max_tokens of chat requests")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seeds the draws for requests without a seed")
+    p.add_argument("--json", action="store_true", help='print {"url": ..., "pid": ...} once serving')
+    p.set_defaults(fn=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxpi.serve.config import ServeConfig
+    from jaxpi.serve.server import start_server
+
+    cfg = ServeConfig(
+        model=args.model,
+        adapter=args.adapter,
+        tokenizer=args.tokenizer,
+        served_name=args.served_name,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        batch_wait_ms=args.batch_wait_ms,
+        max_len=args.max_len,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    if not args.json:
+        print(f"loading {cfg.model} ...", file=sys.stderr, flush=True)
+    handle = start_server(cfg)
+    return serve_until_signal(handle, {"url": handle.url, "pid": os.getpid(), **handle.info}, args.json)
+
+
+def serve_until_signal(handle: Any, info: dict[str, Any], as_json: bool) -> int:
+    """Print where the server listens, then block until SIGTERM/SIGINT and close it."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if as_json:
+        print(json.dumps({"url": info["url"], "pid": info["pid"]}), flush=True)
+    else:
+        extra = "".join(f"  {k}: {v}\n" for k, v in info.items() if k not in ("url", "pid"))
+        print(f"serving on {info['url']} (pid {info['pid']})\n{extra}", end="", flush=True)
+    stop.wait()
+    handle.close()
+    if not as_json:
+        print("stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,105 @@
+"""`jaxpi serve`'s HTTP front: routes, the streaming form, and `start_server` (the Python API).
+
+    GET  /health               200 once the engine is built
+    GET  /v1/models            the one served model
+    GET  /jaxpi/stats          batcher counters (requests, engine calls, rows per call)
+    POST /v1/chat/completions  chat (stream or not)
+    POST /v1/completions       token-id (or text) prompts, vLLM's rollout surface
+
+Streaming sends the finished turn as a sequence of chunks (role, reasoning, content, each tool
+call, finish), since the engine decodes a whole batch in one compiled loop without returning to
+the host per token.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from jaxpi.serve.batcher import Batcher
+from jaxpi.serve.chat import ChatFormat
+from jaxpi.serve.config import ServeConfig
+from jaxpi.serve.httpbase import Handle, JsonHandler
+from jaxpi.serve.protocol import stream_chunks
+from jaxpi.serve.service import Service
+
+
+class ServeHandler(JsonHandler):
+    def __init__(self, *args: Any, service: Service, **kw: Any):
+        self.service = service
+        super().__init__(*args, **kw)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/health":
+            self.guarded(lambda: self.send_json(200, {"status": "ok"}))
+        elif path == "/v1/models":
+            self.guarded(lambda: self.send_json(200, self.service.models()))
+        elif path == "/jaxpi/stats":
+            self.guarded(lambda: self.send_json(200, self.service.batcher.stats.as_dict()))
+        else:
+            self.not_found()
+
+    def do_POST(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/v1/chat/completions":
+            self.guarded(self._chat)
+        elif path == "/v1/completions":
+            self.guarded(lambda: self.send_json(200, self.service.completions(self.read_json())))
+        else:
+            self.not_found()
+
+    def _chat(self) -> None:
+        out = self.service.chat(self.read_json())
+        stream, include_usage = out.pop("_stream")
+        if stream:
+            self.send_events(stream_chunks(out, include_usage=include_usage))
+        else:
+            self.send_json(200, out)
+
+
+class ServeHandle(Handle):
+    """Adds the service (stats, format) to the generic handle."""
+
+    def __init__(self, httpd: ThreadingHTTPServer, service: Service, info: dict[str, Any]):
+        self.service, self.info = service, info
+        super().__init__(httpd, on_close=service.batcher.close)
+
+
+def start_server(cfg: ServeConfig, *, loaded: Any = None) -> ServeHandle:
+    """Load the model (unless `loaded` is given), build the engine, and serve on a thread.
+
+    Returns once the socket listens; `handle.url` is the base URL (port 0 picks a free port).
+    """
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.rollout.jax_engine import JaxEngine
+    from jaxpi.serve.loading import load_served_model
+
+    t0 = time.perf_counter()
+    loaded = loaded or load_served_model(cfg)
+    tok = load_tokenizer(str(loaded.tokenizer_dir))
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(loaded.tokenizer_dir)))
+    engine = JaxEngine(
+        loaded.model, max_len=cfg.max_len, batch_size=cfg.max_batch, prefill_chunks=cfg.prefill_chunks
+    )
+    batcher = Batcher(engine, max_rows=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000, seed=cfg.seed)
+    service = Service(
+        fmt,
+        batcher,
+        served=cfg.name,
+        max_len=cfg.max_len,
+        max_new_tokens=cfg.max_new_tokens,
+        vocab_size=engine.vocab_size,
+    )
+    httpd = ThreadingHTTPServer((cfg.host, cfg.port), partial(ServeHandler, service=service))
+    httpd.daemon_threads = True
+    info = {
+        "model": cfg.name,
+        "base": str(loaded.base_dir),
+        "adapters": list(loaded.adapters),
+        "tokenizer": str(loaded.tokenizer_dir),
+        "load_s": round(time.perf_counter() - t0, 3),
+    }
+    return ServeHandle(httpd, service, info)
