@@ -349,11 +349,12 @@ def stream_chunks(response: Mapping[str, Any], *, include_usage: bool) -> list[d
             },
             **first,
         )
-        if msg.get("reasoning_content"):
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")  # vLLM's old and new names
+        if reasoning:
             chunk(
                 {
                     "index": i,
-                    "delta": {"reasoning_content": msg["reasoning_content"]},
+                    "delta": {"reasoning_content": reasoning},
                     "logprobs": None,
                     "finish_reason": None,
                 }
