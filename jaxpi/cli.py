@@ -323,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpi.tasks import cli as tasks_cli
 
     tasks_cli.add_subparser(sub)
+    from jaxpi.gateway import cli as gateway_cli
+    from jaxpi.serve import cli as serve_cli
+
+    serve_cli.add_subparser(sub)
+    gateway_cli.add_subparser(sub)
     return p
 
 
