@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo demo-full test test-slow lint format clean
+.PHONY: install system-deps pi demo demo-full test test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ system-deps:
 		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 		echo "bubblewrap (bwrap) is missing: the sandbox tests will be skipped; apt-get install bubblewrap"
 
+# Pi (@mariozechner/pi-coding-agent, pinned) in the project-local prefix .tools/pi; idempotent (stamp file).
+pi: $(STAMP)
+	$(BIN)/jaxpi pi setup
+
 demo: $(STAMP)
 	$(BIN)/jaxpi demo --out demo_out
 
@@ -27,7 +31,7 @@ demo: $(STAMP)
 demo-full: $(STAMP)
 	$(BIN)/jaxpi demo --full --out demo_full_out
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps pi
 	$(BIN)/pytest -m "not slow" -q
 
 test-slow: $(STAMP)

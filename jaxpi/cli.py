@@ -328,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.add_subparser(sub)
     gateway_cli.add_subparser(sub)
+    from jaxpi.eval import cli as eval_cli
+    from jaxpi.runner import cli as pi_cli
+
+    pi_cli.add_subparser(sub)
+    eval_cli.add_subparser(sub)
     return p
 
 

@@ -11,7 +11,7 @@ and inside the sandbox (`jaxpi.sandbox.run_sandboxed`):
     /workspace              the workspace, writable, Pi's working directory
     /pi                     the agent dir, writable (Pi writes its session file to /pi/sessions)
     <prefix>                Pi's npm prefix, read-only at its host path (node itself is in /usr)
-    /opt/jaxpi/limits.js    the turn / token limits extension, read-only
+    /opt/jaxpi/pi_extension.js   turn / token limits and sampling settings, read-only
     127.0.0.1:<port>        the gateway, the only network destination
 
 Pi runs as `node cli.js --print --mode json --thinking LEVEL ... "<instruction>"` with every
@@ -42,9 +42,9 @@ from jaxpi.sandbox import SandboxConfig, run_sandboxed
 from jaxpi.tasks.run import new_workspace, run_verifier
 from jaxpi.tasks.task import Task
 
-LIMITS_JS = Path(__file__).with_name("pi_limits.js")
+EXTENSION_JS = Path(__file__).with_name("pi_extension.js")
 _HOME = "/pi"
-_LIMITS_INSIDE = "/opt/jaxpi/limits.js"
+_EXTENSION_INSIDE = "/opt/jaxpi/pi_extension.js"
 # The gateway's trace of an attempt: attempt id -> its recorded calls (dicts), or None if unknown.
 TraceFn = Callable[[str], Sequence[dict] | None]
 
@@ -62,6 +62,12 @@ class RunnerConfig:
     pi_memory_mb: int = 1024  # added to the task's memory limit: node and Pi live in the same sandbox
     pi_procs: int = 64  # added to the task's process limit (node's threads count)
     jobs: int = 2  # attempts at once in run_attempts
+    # Pi's tool allowlist (`--tools`); () = Pi's default set (read, bash, edit, write).
+    tools: tuple[str, ...] = ()
+    # Sampling of every model call (None = the server's defaults); call k of an attempt gets seed + k.
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -71,6 +77,11 @@ class RunnerConfig:
         for name in ("wall_seconds", "max_turns", "max_tokens"):
             if getattr(self, name) < 0:
                 errors.append(f"runner.{name} must be >= 0 (0 = the task's limit), got {getattr(self, name)}")
+        if self.temperature is not None and not self.temperature >= 0:
+            errors.append(f"runner.temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            errors.append(f"runner.top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "tools", tuple(self.tools))
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -89,7 +100,7 @@ def _inside_url(url: str) -> str:
     return f"http://127.0.0.1:{u.port}{path}"
 
 
-def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str) -> list[str]:
+def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str, tools: Sequence[str] = ()) -> list[str]:
     """Pi's command line inside the sandbox (pure)."""
     text = task.instruction.strip()
     # Pi reads a leading "@" as a file to attach and a leading "-" as an option.
@@ -111,12 +122,13 @@ def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str) -> list[str]:
         f"{_HOME}/sessions",
         "--no-extensions",
         "-e",
-        _LIMITS_INSIDE,
+        _EXTENSION_INSIDE,
         "--no-skills",
         "--no-prompt-templates",
         "--no-themes",
         "--no-context-files",
         "--offline",
+        *(["--tools", ",".join(tools)] if tools else []),
         text,
     ]
 
@@ -172,6 +184,7 @@ def run_attempt(
     trace: TraceFn | None = None,
     root: str | Path | None = None,
     pi: PiInstall | None = None,
+    seed: int | None = None,
 ) -> AttemptRecord:
     """Run Pi once on `task` at thinking `level` against `endpoint_url` (the gateway, `.../v1`).
 
@@ -179,6 +192,7 @@ def run_attempt(
     events.jsonl, verifier.txt and record.json. `trace(attempt_id)` returns the gateway's call
     records after the run (token counts come from them when present). `root` is where the
     workspace and config home are made (default: a private temp dir, removed afterwards).
+    `seed` seeds the attempt's first model call (default `cfg.seed`).
     """
     cfg = cfg or RunnerConfig()
     if level not in LEVELS:
@@ -191,7 +205,8 @@ def run_attempt(
     base = Path(tempfile.mkdtemp(prefix="jaxpi-attempt-")) if own_root else Path(root)
     base.chmod(0o711)
     try:
-        rec = _run(task, level, endpoint_url, endpoint, attempt_id, out, cfg, trace, base, pi)
+        seed = cfg.seed if seed is None else seed
+        rec = _run(task, level, endpoint_url, endpoint, attempt_id, out, cfg, trace, base, pi, seed)
     finally:
         if own_root:
             shutil.rmtree(base, ignore_errors=True)
@@ -210,6 +225,7 @@ def _run(
     trace: TraceFn | None,
     base: Path,
     pi: PiInstall,
+    seed: int | None,
 ) -> AttemptRecord:
     ws = new_workspace(task, base)
     home = write_pi_home(
@@ -229,14 +245,17 @@ def _run(
         "JAXPI_MAX_TURNS": str(cfg.max_turns or task.limits.max_turns),
         "JAXPI_MAX_TOKENS": str(cfg.max_tokens or task.limits.max_tokens),
     }
+    for key, v in (("JAXPI_TEMPERATURE", cfg.temperature), ("JAXPI_TOP_P", cfg.top_p), ("JAXPI_SEED", seed)):
+        if v is not None:
+            env[key] = repr(v)
     sb = _sandbox_config(task, cfg, endpoint, pi)
     t0 = time.monotonic()
     res = run_sandboxed(
-        pi_argv(pi, task, level, cfg.model_id),
+        pi_argv(pi, task, level, cfg.model_id, cfg.tools),
         ws,
         sb,
         env=env,
-        mounts={_LIMITS_INSIDE: LIMITS_JS},
+        mounts={_EXTENSION_INSIDE: EXTENSION_JS},
         rw_mounts={_HOME: home},
     )
     wall = time.monotonic() - t0
@@ -339,16 +358,26 @@ def run_attempts(
         raise ValueError("attempt ids must be unique (they key the gateway's records)")
     out = Path(out_dir)
 
-    def one(job: tuple[Task, str, str]) -> AttemptRecord:
-        task, level, attempt_id = job
+    def one(i: int) -> AttemptRecord:
+        task, level, attempt_id = jobs[i]
+        # Attempts draw apart: call k of attempt i is seeded seed + 1000 i + k.
+        seed = None if cfg.seed is None else cfg.seed + 1000 * i
         rec = run_attempt(
-            task, level, endpoint_url, attempt_id, out_dir=out / attempt_id, cfg=cfg, trace=trace, pi=pi
+            task,
+            level,
+            endpoint_url,
+            attempt_id,
+            out_dir=out / attempt_id,
+            cfg=cfg,
+            trace=trace,
+            pi=pi,
+            seed=seed,
         )
         if progress is not None:
             progress(rec)
         return rec
 
     if cfg.jobs == 1 or len(jobs) <= 1:
-        return [one(j) for j in jobs]
+        return [one(i) for i in range(len(jobs))]
     with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
-        return list(pool.map(one, jobs))
+        return list(pool.map(one, range(len(jobs))))

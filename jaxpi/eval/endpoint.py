@@ -1,0 +1,99 @@
+"""The policy endpoint Pi talks to: `jaxpi serve` on a checkpoint with the recording gateway in
+front, or an endpoint someone else runs.
+
+    with policy_endpoint(model="runs/sft/checkpoints/24") as ep:
+        ep.url        # http://127.0.0.1:PORT/v1 (the gateway's, when it runs)
+        ep.model_id   # the served model name Pi asks for
+        ep.trace(id)  # the gateway's call records of one attempt (None without a gateway)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jaxpi.runner.attempt import TraceFn
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    url: str  # base URL ending in /v1
+    model_id: str
+    trace: TraceFn | None = None
+    gateway: Any = None  # the gateway handle, when we started one
+    server: Any = None  # the serve handle, when we started one
+
+
+def _v1(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+@contextlib.contextmanager
+def policy_endpoint(
+    *,
+    model: str | None = None,
+    adapter: str | None = None,
+    endpoint: str | None = None,
+    model_id: str | None = None,
+    max_len: int = 8192,
+    max_new_tokens: int = 2048,
+    batch: int = 2,
+    seed: int = 0,
+) -> Iterator[Endpoint]:
+    """Serve `model` (+ `adapter`) behind the gateway for the duration, or wrap `endpoint`."""
+    if endpoint is not None:
+        yield Endpoint(url=_v1(endpoint), model_id=model_id or "policy")
+        return
+    if model is None:
+        raise ValueError("policy_endpoint: give a model to serve or an endpoint")
+    from jaxpi.serve import ServeConfig, start_server
+
+    cfg = ServeConfig(
+        model=model,
+        adapter=adapter,
+        served_name="policy",
+        port=0,
+        max_batch=batch,
+        max_len=max_len,
+        max_new_tokens=min(max_new_tokens, max_len - 1),
+        seed=seed,
+    )
+    server = start_server(cfg)
+    try:
+        with gateway_in_front(server.url) as (url, trace, gw):
+            yield Endpoint(url=_v1(url), model_id=cfg.name, trace=trace, gateway=gw, server=server)
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def gateway_in_front(upstream: str, record_dir: str | None = None) -> Iterator[tuple[str, TraceFn, Any]]:
+    """The recording gateway in front of `upstream`: (its URL, attempt id -> call records, handle)."""
+    from jaxpi.gateway import start_gateway
+
+    gw = start_gateway(upstream, record_dir=record_dir)
+    try:
+
+        def trace(attempt_id: str) -> Sequence[dict] | None:
+            recs = gw.gateway.store.get(attempt_id)
+            return None if recs is None else [call_record(r) for r in recs]
+
+        yield gw.url, trace, gw
+    finally:
+        gw.close()
+
+
+def call_record(rec: dict) -> dict:
+    """A gateway record with its token counts flat (`completion_tokens`, `reasoning_tokens`; None
+    for a failed call), as the runner sums them."""
+    ids = rec.get("completion_token_ids")
+    usage = rec.get("usage") or {}
+    details = usage.get("completion_tokens_details") or {}
+    return {
+        **rec,
+        "completion_tokens": len(ids) if isinstance(ids, list) else None,
+        "reasoning_tokens": details.get("reasoning_tokens") if ids is not None else None,
+    }
