@@ -32,7 +32,12 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-len", type=int, default=4096, help="context limit per request (prompt + completion)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="default max_tokens of chat requests")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="default max_tokens of chat requests (1024, below --max-len)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0, help="seeds the draws for requests without a seed")
     p.add_argument("--json", action="store_true", help='print {"url": ..., "pid": ...} once serving')
@@ -54,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         batch_wait_ms=args.batch_wait_ms,
         max_len=args.max_len,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or min(1024, args.max_len - 1),
         dtype=args.dtype,
         seed=args.seed,
     )

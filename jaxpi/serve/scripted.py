@@ -106,3 +106,67 @@ def fit_head(model: Any, script: Script, *, margin: float = 8.0) -> dict[str, fl
     model.lm_head[...] = jnp.asarray(w + dw, model.lm_head[...].dtype)
     new = h @ (w + dw)
     return {"supervised": float(len(rows)), "greedy_accuracy": float(np.mean(new.argmax(-1) == targets))}
+
+
+def lookup_script() -> tuple[list[dict], list[dict], str]:
+    """(messages, tools, effort) of a two-turn tool conversation: look a key up, then answer.
+
+    The messages are the client's (no effort line); the server adds "Reasoning effort: low."
+    to the system message, as it does for any request at that level.
+    """
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get",
+                "description": "Value of a key.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"key": {"type": "string"}},
+                    "required": ["key"],
+                },
+            },
+        }
+    ]
+    messages = [
+        {"role": "system", "content": "You look up keys."},
+        {"role": "user", "content": "What is ab?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "find ab",
+            "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {"key": "ab"}}}],
+        },
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "It is 42.", "reasoning_content": "ok"},
+    ]
+    return messages, tools, "low"
+
+
+def scripted_model(
+    ckpt_dir: Any, messages: Sequence[dict], tools: Sequence[dict], effort: str
+) -> tuple[Any, Script]:
+    """Load a HF checkpoint (with its tokenizer) and solve its head to replay the conversation as
+    `jaxpi serve` renders it at `effort`. Returns (model, script layout)."""
+    from jaxpi.convert.hf import load_hf
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.serve.chat import ChatFormat
+    from jaxpi.serve.protocol import read_chat_request
+
+    tok = load_tokenizer(str(ckpt_dir))
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(ckpt_dir)))
+    req = read_chat_request(
+        {"messages": list(messages), "tools": list(tools), "reasoning_effort": effort},
+        served="",
+        efforts=fmt.efforts,
+        default_max_tokens=1,
+        max_tokens_cap=1,
+        vocab_size=1 << 30,
+    )
+    msgs, kwargs, _ = fmt.messages(req)
+    script = script_layout(tok, msgs, tools, kwargs, fmt.eot)
+    _, model = load_hf(ckpt_dir)
+    stats = fit_head(model, script)
+    if stats["greedy_accuracy"] < 1.0:
+        raise ValueError(f"the head fit does not replay the script: {stats}")
+    return model, script

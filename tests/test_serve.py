@@ -1,0 +1,330 @@
+"""`jaxpi serve` over real HTTP, driven by the `openai` client: chat with tools (streaming or not),
+token-id completions against the trainer's log-probs, batching of concurrent requests, errors.
+
+The served model is a tiny random checkpoint whose LM head is solved to replay one scripted tool
+conversation (`jaxpi.serve.scripted`), so greedy requests produce real tool calls through the
+real engine; other prompts get the random model's output.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+
+from jaxpi import TINY
+from jaxpi.data.render import RenderConfig, load_tokenizer
+from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.rl.loss import sequence_logprobs
+from jaxpi.serve import ServeConfig, start_server
+from jaxpi.serve.chat import ChatFormat
+from jaxpi.serve.loading import Loaded
+from jaxpi.serve.protocol import read_chat_request
+from jaxpi.serve.scripted import lookup_script, scripted_model
+
+# hidden 128 >= the script's 67 supervised tokens: the head fit is exact
+CFG = TINY.replace(hidden_size=128, intermediate_size=256)
+MAX_TOKENS = 64  # one decode program for the whole module
+# Engine vs trainer in float32: the tolerance of tests/test_jax_engine.py (XLA's fp32 matmuls round
+# by shape, ~1e-5 after this random model's DeltaNet output norm; a wrong token is off by > 1e-2).
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt", CFG, seed=2, tokenizer=True)
+    messages, tools, effort = lookup_script()
+    model, script = scripted_model(ckpt, messages, tools, effort)
+    cfg = ServeConfig(
+        model=str(ckpt),
+        port=0,
+        max_len=512,
+        max_new_tokens=MAX_TOKENS,
+        max_batch=4,
+        batch_wait_ms=300,
+        prefill_chunks=(64, 1),
+    )
+    handle = start_server(cfg, loaded=Loaded(model, ckpt, ckpt, ()))
+    client = openai.OpenAI(base_url=handle.url + "/v1", api_key="test", max_retries=0)
+    yield {
+        "h": handle,
+        "client": client,
+        "script": script,
+        "model": model,
+        "ckpt": ckpt,
+        "tok": load_tokenizer(str(ckpt)),
+        "messages": messages,
+        "tools": tools,
+        "effort": effort,
+    }
+    handle.close()
+
+
+def ask(s, messages, **kw):
+    return s["client"].chat.completions.create(
+        model="ckpt",
+        messages=messages,
+        tools=s["tools"],
+        reasoning_effort=s["effort"],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        **kw,
+    )
+
+
+def n_tokens(tok, text):
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_chat_tool_call_ids_usage_logprobs(served):
+    s, script = served, served["script"]
+    (a0, a1), _ = script.spans
+    r = ask(s, s["messages"][:2], logprobs=True, extra_body={"return_token_ids": True})
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls"
+    msg = c.message
+    assert msg.content in (None, "") and msg.model_extra["reasoning_content"] == "find ab"
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "get"
+    assert json.loads(call.function.arguments) == {"key": "ab"}
+    # token-exact: the prompt is the script's prompt, the completion the script's turn
+    assert r.model_extra["prompt_token_ids"] == script.ids[:a0]
+    assert c.model_extra["token_ids"] == script.ids[a0:a1]
+    assert r.usage.prompt_tokens == a0 and r.usage.completion_tokens == a1 - a0
+    assert r.usage.total_tokens == a1
+    assert r.usage.completion_tokens_details.reasoning_tokens == n_tokens(s["tok"], "find ab\n")
+    lps = [x.logprob for x in c.logprobs.content]
+    assert len(lps) == a1 - a0 and all(x <= 0 for x in lps)
+    assert "".join(x.token for x in c.logprobs.content) == script.texts[0]
+
+    # the second turn, with the tool result: the final answer
+    msgs = [
+        *s["messages"][:2],
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "42"},
+    ]
+    r2 = ask(
+        s, msgs, extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True}, logprobs=True
+    )
+    (b0, b1) = script.spans[1]
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content == "It is 42."
+    assert r2.choices[0].message.model_extra["reasoning_content"] == "ok"
+    assert r2.model_extra["prompt_token_ids"] == script.ids[:b0]
+    assert [x.token for x in r2.choices[0].logprobs.content] == [f"token_id:{t}" for t in script.ids[b0:b1]]
+    # without the extras the reply has none of them
+    r3 = ask(s, s["messages"][:2])
+    assert "prompt_token_ids" not in r3.model_extra and r3.choices[0].logprobs is None
+    assert "token_ids" not in r3.choices[0].model_extra
+
+
+def test_streaming_matches_non_streaming(served):
+    s = served
+    full = ask(s, s["messages"][:2], extra_body={"return_token_ids": True})
+    chunks = list(
+        ask(
+            s,
+            s["messages"][:2],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    reasoning = "".join(
+        ch.choices[0].delta.model_extra.get("reasoning_content") or "" for ch in chunks if ch.choices
+    )
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra.get("token_ids") or []]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert reasoning == full.choices[0].message.model_extra["reasoning_content"]
+    assert content == (full.choices[0].message.content or "")
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get", {"key": "ab"})
+    ]
+    assert finish == ["tool_calls"] and ids == full.choices[0].model_extra["token_ids"]
+    assert chunks[0].model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_completions_logprobs_equal_the_trainer(served):
+    s = served
+    prompt = s["script"].ids[:40]
+    body = {
+        "model": "ckpt",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "seed": 5,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    r = httpx.post(s["h"].url + "/v1/completions", json=body, timeout=120).json()
+    (c,) = r["choices"]
+    assert (
+        c["prompt_token_ids"] == prompt
+        and len(c["token_ids"]) == MAX_TOKENS
+        and c["finish_reason"] == "length"
+    )
+    assert c["text"] == s["tok"].decode(c["token_ids"], skip_special_tokens=False)
+    ids = jnp.asarray([prompt + c["token_ids"]], jnp.int32)
+    trainer = np.asarray(jax.jit(sequence_logprobs)(s["model"], ids))[0, len(prompt) :]
+    np.testing.assert_allclose(c["logprobs"]["token_logprobs"], trainer, atol=TOL, rtol=0)
+    assert r["usage"] == {
+        "prompt_tokens": 40,
+        "completion_tokens": MAX_TOKENS,
+        "total_tokens": 40 + MAX_TOKENS,
+    }
+    # the same seed reproduces the same tokens
+    again = httpx.post(s["h"].url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert again["token_ids"] == c["token_ids"]
+
+
+def test_concurrent_requests_are_batched(served):
+    s = served
+    url = s["h"].url + "/v1/completions"
+    prompts = [s["script"].ids[: 30 + 7 * i] for i in range(4)]
+
+    def one(p):
+        body = {
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "logprobs": 0,
+        }
+        return httpx.post(url, json=body, timeout=300).json()["choices"][0]
+
+    alone = [one(p) for p in prompts]
+    before = httpx.get(s["h"].url + "/jaxpi/stats").json()
+    together = [None] * 4
+
+    def run(i):
+        together[i] = one(prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = httpx.get(s["h"].url + "/jaxpi/stats").json()
+    assert after["requests"] - before["requests"] == 4 and after["rows"] - before["rows"] == 4
+    assert after["engine_calls"] - before["engine_calls"] < 4 and after["batched_rows_max"] >= 2
+    for a, b in zip(alone, together, strict=True):
+        assert a["token_ids"] == b["token_ids"]
+        np.testing.assert_allclose(
+            a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], atol=1e-6
+        )
+
+
+def test_bad_requests_get_400_naming_the_problem(served):
+    s = served
+    url = s["h"].url + "/v1/chat/completions"
+    cases = [
+        (b"{not json", "not valid JSON"),
+        (json.dumps({"model": "ckpt"}).encode(), "'messages' is required"),
+        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}).encode(), "gpt-9"),
+        (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode(), "messages[0].role"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}).encode(),
+            "reasoning_effort",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}).encode(),
+            "temperature",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x " * 400}]}).encode(),
+            "context limit is 512",
+        ),
+    ]
+    for raw, needle in cases:
+        r = httpx.post(url, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (needle, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and err["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="context limit"):
+        ask(s, [{"role": "user", "content": "x " * 400}])
+    r = httpx.post(s["h"].url + "/v1/completions", json={"prompt": [1, 2, 999]}, timeout=60)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert httpx.get(s["h"].url + "/nope").status_code == 404
+    models = s["client"].models.list()
+    assert [m.id for m in models.data] == ["ckpt"]
+
+
+def test_turn_parsing_to_messages(served):
+    tok = served["tok"]
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(served["ckpt"])))
+    req = read_chat_request(
+        {"messages": [{"role": "user", "content": "q"}], "tools": served["tools"]},
+        served="",
+        efforts=fmt.efforts,
+        default_max_tokens=8,
+        max_tokens_cap=8,
+        vocab_size=512,
+    )
+    enc = fmt.encode
+    call = "<tool_call>\n<function=get>\n<parameter=key>\nx y\n</parameter>\n</function>\n</tool_call>"
+    t = fmt.turn(req, enc(f"plan\n</think>\n\nLooking.\n\n{call}<|im_end|>"), "stop", True)
+    assert t.finish_reason == "tool_calls" and t.message["content"] == "Looking."
+    assert t.message["reasoning_content"] == "plan"
+    assert json.loads(t.message["tool_calls"][0]["function"]["arguments"]) == {"key": "x y"}
+    assert t.reasoning_tokens == n_tokens(tok, "plan\n")
+    # an unknown tool is not a call: the text comes back as content, with the parse error kept
+    bad = call.replace("=get", "=rm")
+    t = fmt.turn(req, enc(f"p\n</think>\n\n{bad}<|im_end|>"), "stop", True)
+    assert t.finish_reason == "stop" and "tool_calls" not in t.message and t.message["content"] == bad
+    assert "unknown tool 'rm'" in t.parse_error
+    # cut short inside the thinking block: all reasoning, finish "length"
+    t = fmt.turn(req, enc("still thinking"), "length", True)
+    assert (t.finish_reason, t.message["reasoning_content"], t.message["content"]) == (
+        "length",
+        "still thinking",
+        "",
+    )
+    assert t.reasoning_tokens == n_tokens(tok, "still thinking")
+
+
+def test_cli_serves_and_stops_on_sigterm(served):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxpi.cli",
+            "serve",
+            "--model",
+            str(served["ckpt"]),
+            "--port",
+            "0",
+            "--json",
+            "--max-len",
+            "512",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = p.stdout.readline()
+        assert line, p.stderr.read() if p.poll() is not None else "no output"
+        info = json.loads(line)
+        assert info["pid"] == p.pid
+        assert httpx.get(info["url"] + "/health", timeout=10).json()["status"] == "ok"
+        assert httpx.get(info["url"] + "/v1/models", timeout=10).json()["data"][0]["id"] == "ckpt"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
