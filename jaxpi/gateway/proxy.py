@@ -16,12 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from jaxpi.gateway.records import RecordStore, valid_attempt
 from jaxpi.gateway.upstream import UpstreamError, check_reply, client_view, post, upstream_body
-from jaxpi.serve.httpbase import Handle, JsonHandler
+from jaxpi.serve.httpbase import Handle, JsonHandler, Server
 from jaxpi.serve.protocol import ApiError, error_body, stream_chunks
 
 
@@ -158,8 +157,7 @@ def start_gateway(
 ) -> Handle:
     """Serve the gateway on a thread; returns a handle with `.url`, `.gateway` and `.close()`."""
     gw = Gateway(upstream, RecordStore(record_dir), timeout_s)
-    httpd = ThreadingHTTPServer((host, port), partial(GatewayHandler, gateway=gw))
-    httpd.daemon_threads = True
+    httpd = Server((host, port), partial(GatewayHandler, gateway=gw))
     handle = Handle(httpd, on_close=gw.close)
     handle.gateway = gw  # type: ignore[attr-defined]
     return handle

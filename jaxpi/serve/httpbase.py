@@ -7,8 +7,10 @@ end, no length). Errors always leave as OpenAI error objects.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -80,6 +82,35 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_json(404, error_body(f"no route {self.command} {self.path}", "NotFoundError", None, 404))
 
 
+class Server(ThreadingHTTPServer):
+    """`ThreadingHTTPServer` that also drops its open (keep-alive) connections when closed, so a
+    closed server looks to clients like a stopped process, not one that still answers old sockets."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kw: Any):
+        self._open: set[Any] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def drop_connections(self) -> None:
+        with self._open_lock:
+            socks = list(self._open)
+        for sock in socks:
+            with contextlib.suppress(OSError):  # already closed by its client
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 class Handle:
     """A running server: `url`, and `close()` (stops accepting, joins the thread)."""
 
@@ -93,6 +124,8 @@ class Handle:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        if isinstance(self.httpd, Server):
+            self.httpd.drop_connections()
         self._thread.join(timeout=10)
         if self._on_close:
             self._on_close()

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from jaxpi.serve.batcher import Batcher
 from jaxpi.serve.chat import ChatFormat
 from jaxpi.serve.config import ServeConfig
-from jaxpi.serve.httpbase import Handle, JsonHandler
+from jaxpi.serve.httpbase import Handle, JsonHandler, Server
 from jaxpi.serve.protocol import stream_chunks
 from jaxpi.serve.service import Service
 
@@ -63,7 +62,7 @@ class ServeHandler(JsonHandler):
 class ServeHandle(Handle):
     """Adds the service (stats, format) to the generic handle."""
 
-    def __init__(self, httpd: ThreadingHTTPServer, service: Service, info: dict[str, Any]):
+    def __init__(self, httpd: Server, service: Service, info: dict[str, Any]):
         self.service, self.info = service, info
         super().__init__(httpd, on_close=service.batcher.close)
 
@@ -93,8 +92,7 @@ def start_server(cfg: ServeConfig, *, loaded: Any = None) -> ServeHandle:
         max_new_tokens=cfg.max_new_tokens,
         vocab_size=engine.vocab_size,
     )
-    httpd = ThreadingHTTPServer((cfg.host, cfg.port), partial(ServeHandler, service=service))
-    httpd.daemon_threads = True
+    httpd = Server((cfg.host, cfg.port), partial(ServeHandler, service=service))
     info = {
         "model": cfg.name,
         "base": str(loaded.base_dir),

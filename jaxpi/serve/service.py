@@ -65,6 +65,8 @@ class Service:
             raise ApiError(504, str(e), kind="timeout_error") from None
         except ValueError as e:  # the engine refused the input (e.g. a token id)
             raise bad(str(e)) from None
+        except RuntimeError as e:  # shutting down
+            raise ApiError(503, str(e), kind="service_unavailable") from None
 
     def _logprob_items(self, ids: list[int], lps: list[float], as_ids: bool) -> list[dict]:
         out = []
