@@ -19,13 +19,17 @@ from jaxpi.rl.reward import RewardConfig
 from jaxpi.train.schedule import OptimConfig
 from jaxpi.train.sft import ModelConfig
 
-ENVS = ("lookup",)
+# "pi" is provided by the Pi runner (`jaxpi.runner`), which registers it with the trainer
+# (`jaxpi.rl.trainer.register_env`); the config only checks the name.
+ENVS = ("lookup", "pi")
+ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig(ModelConfig):
     # An SFT checkpoint (run dir, its checkpoints dir or one step dir) to start from; "" = fresh
     # adapters on `base`. With an adapter, `base`/`tiny_layers` are ignored: the checkpoint names its base.
+    # A peft adapter directory (adapter_config.json) also works; it applies to `base`.
     adapter: str = ""
 
 
@@ -66,9 +70,35 @@ class CollectConfig:
     max_context: int = 512  # session length (prompt + turns + observations); also the row cap
     row_bucket: int = 128  # training rows are padded to a multiple of this
     engine_batch: int = 0  # live sessions in the engine; 0 = every attempt of a collection at once
+    # Rollout engine: "jax" (embedded, shares the trainer's weights) or "vllm" (a vLLM server;
+    # the adapter is exported, loaded and probed after every update; docs/vllm.md).
+    engine: str = "jax"
+    vllm_url: str = ""  # a running server (`jaxpi vllm serve`); "" = start one on the base checkpoint
+    vllm_concurrency: int = 16  # requests in flight
+    request_timeout_s: float = 120.0
+    request_retries: int = 2  # per request, with backoff, before the request counts as failed
+    collection_retries: int = 2  # a collection hit by an engine failure is redone this many times
+    retry_wait_s: float = 60.0  # how long to wait for an external server's /health before a redo
+    max_staleness: int = 0  # attempts sampled by a policy more than this many updates old are not admitted
+    probe_tol: float = 0.03  # vLLM-vs-jaxpi probe tolerance (mean |dlogp|, nats; docs/vllm.md)
 
     def __post_init__(self) -> None:
         errors = []
+        if self.engine not in ENGINES:
+            errors.append(f"collect.engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            errors.append(f"collect.vllm_url must be an http(s) URL, got {self.vllm_url!r}")
+        for name in ("vllm_concurrency",):
+            if getattr(self, name) < 1:
+                errors.append(f"collect.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_retries", "collection_retries", "max_staleness"):
+            if getattr(self, name) < 0:
+                errors.append(f"collect.{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.request_timeout_s > 0 and self.retry_wait_s >= 0 and self.probe_tol > 0):
+            errors.append(
+                "collect.request_timeout_s and probe_tol must be > 0 and retry_wait_s >= 0, got "
+                f"{self.request_timeout_s}, {self.probe_tol}, {self.retry_wait_s}"
+            )
         for name in ("tasks", "group", "max_turns", "max_tokens", "max_new_tokens", "row_bucket"):
             if getattr(self, name) < 1:
                 errors.append(f"collect.{name} must be >= 1, got {getattr(self, name)}")

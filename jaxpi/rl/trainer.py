@@ -24,6 +24,16 @@ deterministic XLA ops). Outputs in `output.dir`:
                     importance weights, per-level pass rate / reasoning tokens / admitted share,
                     ordering ratios (also to TensorBoard under tb/)
     checkpoints/N   orbax steps, exportable with `jaxpi export` like SFT checkpoints
+
+With `collect.engine=vllm` the attempts are sampled by a vLLM server (`jaxpi.vllm`): after every
+update the adapter is exported to `vllm_adapters/policy-v{N}`, loaded into the server and probed
+(vLLM's log-probs of a fixed sequence must match the trainer's for the same adapter) before the
+next collection. A collection the server fails (down, killed, timing out, replying nonsense) is
+discarded whole, before any update, its lost attempts logged to `failures.jsonl` with the reason
+and counted in the next metrics record; it is redone up to `collect.collection_retries` times, then
+the run stops (`CollectionFailedError`, exit code 4) with its last checkpoint intact. Every attempt
+record carries the `policy_version` (updates made) that sampled it; attempts more than
+`collect.max_staleness` versions old are not admitted.
 """
 
 from __future__ import annotations
@@ -42,14 +52,25 @@ from typing import Any
 import numpy as np
 
 from jaxpi.configfile import load_config, to_dict
-from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.config import CollectConfig, GRPOConfig
 
+# collect.* fields that only say how to reach the rollout server: a resumed run may change them
+# (a restarted server has another address).
+RESUME_FREE = (
+    "vllm_url",
+    "vllm_concurrency",
+    "request_timeout_s",
+    "request_retries",
+    "collection_retries",
+    "retry_wait_s",
+    "probe_tol",
+)
 # Sections that define what a checkpoint means: a resumed run must not change them.
 FIXED_ON_RESUME = (
     "model",
     "lora",
     "env",
-    "collect",
+    *(f"collect.{f.name}" for f in dataclasses.fields(CollectConfig) if f.name not in RESUME_FREE),
     "reward",
     "loss",
     "optim",
@@ -60,6 +81,10 @@ FIXED_ON_RESUME = (
     "train.eval_group",
 )
 SPLITS = ("train", "eval")
+
+
+class CollectionFailedError(RuntimeError):
+    """The rollout engine failed a collection more often than `collect.collection_retries` allows."""
 
 
 # ---- pure helpers --------------------------------------------------------------------------------
@@ -85,10 +110,18 @@ def changed_keys(saved: dict[str, Any], current: dict[str, Any], keys: Sequence[
     return diffs
 
 
-def attempt_records(split: str, step: int, trajectories: Sequence[Any], score: Any) -> list[dict[str, Any]]:
-    """The attempts.jsonl lines of one collection (`jaxpi report` reads them)."""
+def attempt_records(
+    split: str,
+    step: int,
+    trajectories: Sequence[Any],
+    score: Any,
+    policy_versions: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """The attempts.jsonl lines of one collection (`jaxpi report` reads them); `policy_versions`
+    (default: `step` for every attempt) is the number of updates behind the policy that sampled each."""
     out = []
-    for t, r, a in zip(trajectories, score.rewards, score.advantages, strict=True):
+    versions = [step] * len(trajectories) if policy_versions is None else list(policy_versions)
+    for t, r, a, v in zip(trajectories, score.rewards, score.advantages, versions, strict=True):
         out.append(
             {
                 "split": split,
@@ -106,6 +139,7 @@ def attempt_records(split: str, step: int, trajectories: Sequence[Any], score: A
                 "reason": t.reason,
                 "reward": float(r),
                 "advantage": float(a),
+                "policy_version": int(v),
             }
         )
     return out
@@ -203,7 +237,15 @@ def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
     from jaxpi.train.step import split_trainable
 
     adapter = None
-    if cfg.model.adapter:
+    if cfg.model.adapter and (Path(cfg.model.adapter) / "adapter_config.json").exists():
+        # A peft adapter (e.g. trained with peft/TRL) on `model.base`: its own rank and targets.
+        from jaxpi.config import QwenConfig
+        from jaxpi.convert.peft import load_peft
+
+        base_dir = prepare_base(cfg, run_dir)  # type: ignore[arg-type]
+        lora_cfg, adapter = load_peft(QwenConfig.from_hf(base_dir), cfg.model.adapter)
+        tokenizer_dir = base_dir
+    elif cfg.model.adapter:
         adapter, lora_cfg, meta = load_adapter(cfg.model.adapter)
         base_dir = Path(meta["base"])
         tokenizer_dir = Path(meta.get("tokenizer") or base_dir)
@@ -221,17 +263,70 @@ def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
     return Policy(graphdef, train, rest, lora_cfg, base_dir, tokenizer_dir, model_cfg)
 
 
-def make_env(cfg: GRPOConfig) -> tuple[Any, list[Any], list[Any]]:
-    """(environment, training task pool, held-out tasks)."""
+def admit_fresh(
+    trajectories: Sequence[Any], versions: Sequence[int], current: int, max_staleness: int
+) -> list[Any]:
+    """Attempts sampled by a policy more than `max_staleness` updates older than `current` become
+    not admitted (marked malformed, with the reason): GRPO's ratio assumes a recent sampler."""
+    from jaxpi.vllm.sync import stale
+
+    out = []
+    for t, v, old in zip(trajectories, versions, stale(versions, current, max_staleness), strict=True):
+        if old and t.admitted:
+            reason = f"stale: sampled by policy v{v}, {current - v} updates old (collect.max_staleness={max_staleness})"
+            t = dataclasses.replace(t, malformed=True, reason=reason)
+        out.append(t)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvEntry:
+    """How the trainer gets an environment: `make(cfg) -> (env, task pool, held-out tasks)`, and
+    optionally its own collector class (same constructor and `run` as `Collector`)."""
+
+    make: Any
+    collector: Any = None
+
+
+_ENVS: dict[str, EnvEntry] = {}
+# Environments living in other packages register themselves when this module is imported.
+_ENV_MODULES = {"pi": "jaxpi.runner.grpo"}
+
+
+def register_env(name: str, make: Any, collector: Any = None) -> None:
+    """Make `env.name: <name>` available to `jaxpi grpo` (the Pi runner calls this for "pi")."""
+    _ENVS[name] = EnvEntry(make, collector)
+
+
+def env_entry(name: str) -> EnvEntry:
+    if name not in _ENVS and name in _ENV_MODULES:
+        import importlib
+
+        try:
+            importlib.import_module(_ENV_MODULES[name])
+        except ImportError as e:
+            raise ValueError(f"env.name {name!r} needs {_ENV_MODULES[name]} ({e})") from None
+    if name not in _ENVS:
+        raise ValueError(f"unknown env.name {name!r}; registered: {sorted(_ENVS)}")
+    return _ENVS[name]
+
+
+def _make_lookup(cfg: GRPOConfig) -> tuple[Any, list[Any], list[Any]]:
     from jaxpi.envs.toy import LookupEnv, make_tasks
 
     e = cfg.env
-    if e.name == "lookup":
-        kw = {"keys_per_task": e.keys_per_task, "max_value": e.max_value}
-        pool = make_tasks(e.train_tasks, e.seed, **kw)
-        held = make_tasks(e.eval_tasks, e.seed + 1_000_003, **kw)
-        return LookupEnv(), pool, held
-    raise ValueError(f"unknown env.name {e.name!r}")
+    kw = {"keys_per_task": e.keys_per_task, "max_value": e.max_value}
+    pool = make_tasks(e.train_tasks, e.seed, **kw)
+    held = make_tasks(e.eval_tasks, e.seed + 1_000_003, **kw)
+    return LookupEnv(), pool, held
+
+
+register_env("lookup", _make_lookup)
+
+
+def make_env(cfg: GRPOConfig) -> tuple[Any, list[Any], list[Any]]:
+    """(environment, training task pool, held-out tasks)."""
+    return env_entry(cfg.env.name).make(cfg)
 
 
 class Collector:
@@ -239,6 +334,7 @@ class Collector:
 
     def __init__(self, cfg: GRPOConfig, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
         self.cfg, self.engine, self.tok, self.env, self.render_cfg = cfg, engine, tokenizer, env, render_cfg
+        self.versions: list[int] = []  # policy version of each attempt of the last `run`
 
     def run(self, tasks: Sequence[Any], group: int, seed: int) -> list[Any]:
         from jaxpi.envs.agent_loop import run_attempts
@@ -248,6 +344,7 @@ class Collector:
         pairs = [(t, level) for t in tasks for level in self.cfg.reward.levels for _ in range(group)]
         wave = min(len(pairs), c.engine_batch or self.engine.batch_size)
         out: list[Any] = []
+        self.versions = []
         for start in range(0, len(pairs), wave):
             # Seeds follow the attempt's index in the collection, not the wave layout's.
             params = SamplingParams(
@@ -268,6 +365,7 @@ class Collector:
                 max_context=c.max_context,
                 seed=seed + start,
             )
+            self.versions += [getattr(self.engine, "policy_version", -1)] * (len(out) - len(self.versions))
         return out
 
 
@@ -298,6 +396,9 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         from jaxpi.train.checkpoint import read_meta
 
         saved = read_meta(store.step_dir(start))["config"]
+        # Checkpoints from before the engine settings existed were made by the defaults.
+        for key, value in to_dict(CollectConfig()).items():
+            saved.setdefault("collect", {}).setdefault(key, value)
         diffs = changed_keys(saved, config_dict, FIXED_ON_RESUME)
         if diffs:
             raise ValueError(
@@ -323,7 +424,8 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         raise ValueError(
             f"reward.levels {missing} have no effort style (known: {sorted(render_cfg.efforts)})"
         )
-    env, pool, held = make_env(cfg)
+    entry = env_entry(cfg.env.name)
+    env, pool, held = entry.make(cfg)
 
     optimizer = make_optimizer(cfg.optim, cfg.train.collections)
     graphdef = pol.graphdef
@@ -354,12 +456,17 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
             raise ValueError("the checkpoint's train.seed does not match the config")
         print(f"resumed from {store.step_dir(start)} (after update {start})", file=out, flush=True)
 
-    engine = JaxEngine(
-        nnx.merge(graphdef, pol.train, pol.rest),
-        max_len=cfg.collect.max_context,
-        batch_size=cfg.collect.engine_batch or cfg.rows,
-    )
-    collector = Collector(cfg, engine, tok, env, render_cfg)
+    backend = None
+    if cfg.collect.engine == "vllm":
+        backend = _start_vllm(cfg, pol, run_dir, out)
+        engine = backend.engine
+    else:
+        engine = JaxEngine(
+            nnx.merge(graphdef, pol.train, pol.rest),
+            max_len=cfg.collect.max_context,
+            batch_size=cfg.collect.engine_batch or cfg.rows,
+        )
+    collector = (entry.collector or Collector)(cfg, engine, tok, env, render_cfg)
     attempts_path = run_dir / "attempts.jsonl"
     truncate_attempts(attempts_path, start)
     attempts_file = attempts_path.open("a")
@@ -383,17 +490,92 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
     rows, k = cfg.rows, cfg.train.grad_accum
     levels = cfg.reward.levels
 
-    def record(split: str, step: int, trajs: list[Any], score: Any) -> None:
-        for rec in attempt_records(split, step, trajs, score):
+    def record(split: str, step: int, trajs: list[Any], score: Any, versions: list[int]) -> None:
+        for rec in attempt_records(split, step, trajs, score, versions):
             attempts_file.write(json.dumps(rec) + "\n")
         attempts_file.flush()
+
+    failures_path = run_dir / "failures.jsonl"
+    pending: dict[str, float] = {}  # engine failures and probe results, for the next metrics record
+    probe_state: dict[str, Any] = {}
+
+    def push(version: int) -> None:
+        """Export + load + probe the current adapter as `version` (vLLM only; once per version)."""
+        if backend is None or probe_state.get("version") == version:
+            return
+        if "base" not in probe_state:
+            ids = np.asarray([backend.probe_ids()], np.int32)
+            zero = jax.tree.map(jnp.zeros_like, pol.train)
+            probe_state["ids"] = ids
+            probe_state["base"] = np.asarray(logp_fn(zero, pol.rest, jnp.asarray(ids)))[0, 1:]
+        expected = np.asarray(logp_fn(pol.train, pol.rest, jnp.asarray(probe_state["ids"])))[0, 1:]
+        res = backend.push(nnx.merge(graphdef, pol.train, pol.rest), version, expected, probe_state["base"])
+        pending.update(res.metrics())
+        with (run_dir / "probes.jsonl").open("a") as f:
+            f.write(json.dumps({**dataclasses.asdict(res), "time": time.time()}) + "\n")
+        probe_state["version"] = version
+
+    def collect(
+        split: str, step: int, tasks: list[Any], group: int, seed: int
+    ) -> tuple[list[Any], list[int]]:
+        """One collection, redone whole after an engine failure (nothing of a failed try is kept)."""
+        from jaxpi.vllm.rollouts import RECOVERABLE
+
+        tries = cfg.collect.collection_retries + 1
+        for attempt in range(tries):
+            try:
+                push(step)
+                trajs = collector.run(tasks, group, seed)
+                versions = list(collector.versions) or [step] * len(trajs)
+                return admit_fresh(trajs, versions, step, cfg.collect.max_staleness), versions
+            except RECOVERABLE as e:
+                kind = getattr(e, "kind", "server")
+                lost = len(tasks) * len(levels) * group
+                with failures_path.open("a") as f:
+                    f.write(
+                        json.dumps(
+                            {
+                                "split": split,
+                                "step": step,
+                                "try": attempt + 1,
+                                "kind": kind,
+                                "lost_attempts": lost,
+                                "error": str(e)[:2000],
+                                "time": time.time(),
+                            }
+                        )
+                        + "\n"
+                    )
+                pending[f"engine/failures/{kind}"] = pending.get(f"engine/failures/{kind}", 0) + 1
+                pending["engine/lost_attempts"] = pending.get("engine/lost_attempts", 0) + lost
+                print(
+                    f"{split} collection at update {step}: engine failure ({e}); {lost} attempts not admitted "
+                    f"(try {attempt + 1}/{tries})",
+                    file=out,
+                    flush=True,
+                )
+                if attempt + 1 == tries:
+                    raise CollectionFailedError(
+                        f"the {split} collection after update {step} failed {tries} times (last: {e}); no update "
+                        f"was made from it. The last checkpoint is step {store.latest_step() or 0} in {run_dir}; "
+                        "bring the rollout server back and rerun the same command to resume. Failures are "
+                        f"logged in {failures_path}"
+                    ) from e
+                probe_state.pop("version", None)
+                try:
+                    backend.recover() if backend is not None else None
+                except RECOVERABLE as e2:
+                    print(f"recovery failed: {e2}", file=out, flush=True)
+        raise AssertionError("unreachable")
 
     def evaluate(step: int) -> dict[str, float]:
         if not held or not cfg.train.eval_group:
             return {}
-        trajs = collector.run(held, cfg.train.eval_group, collection_seed(cfg.train.seed, step, "eval"))
+        trajs, versions = collect(
+            "eval", step, held, cfg.train.eval_group, collection_seed(cfg.train.seed, step, "eval")
+        )
         score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
-        record("eval", step, trajs, score)
+        record("eval", step, trajs, score, versions)
         m = level_metrics("eval/", trajs, score, levels)
         print(f"eval   after {step:4d} updates: {_levels_line(m, levels, 'eval/')}", file=out, flush=True)
         return m
@@ -415,10 +597,12 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
             )
             t0 = time.time()
             tasks = [pool[i] for i in draw_tasks(len(pool), cfg.collect.tasks, cfg.train.seed, s)]
-            trajs = collector.run(tasks, cfg.collect.group, collection_seed(cfg.train.seed, s, "train"))
+            trajs, versions = collect(
+                "train", s, tasks, cfg.collect.group, collection_seed(cfg.train.seed, s, "train")
+            )
             t_collect = time.time() - t0
             score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
-            record("train", s, trajs, score)
+            record("train", s, trajs, score, versions)
 
             t1 = time.time()
             length = bucket_length(
@@ -440,7 +624,9 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
                     f"non-finite GRPO loss/gradient norm at update {s + 1} ({loss}, {grad_norm}); "
                     f"the last checkpoint is step {store.latest_step()}"
                 )
-            engine.update_weights(pol.train)
+            if backend is None:
+                engine.update_weights(pol.train)
+            # (vLLM: the new adapter is pushed and probed before the next collection, inside its retries.)
             t_update = time.time() - t1
 
             sampled = sum(t.output_tokens for t in trajs)
@@ -460,7 +646,9 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
                 **gap,
                 **level_metrics("", trajs, score, levels),
                 **eval_metrics,
+                **pending,
             }
+            pending.clear()
             log.write(rec)
             print(
                 f"update {s + 1:4d}/{cfg.train.collections}: {_levels_line(rec, levels, '')} | grad norm {grad_norm:.3f} "
@@ -478,6 +666,8 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         attempts_file.close()
         log.close()
         store.close()
+        if backend is not None:
+            backend.close()
     final = store.latest_step()
     return {
         "run_dir": str(run_dir),
@@ -486,6 +676,38 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         "checkpoint": str(store.step_dir(final)) if final else None,
         "last": {k: v for k, v in summary.items() if isinstance(v, (int, float))},
     }
+
+
+def _start_vllm(cfg: GRPOConfig, pol: Policy, run_dir: Path, out: Any) -> Any:
+    """The vLLM backend for this run: a server on the base checkpoint unless `collect.vllm_url`."""
+    from jaxpi.vllm.rollouts import VLLMBackend, VLLMSettings
+
+    c = cfg.collect
+    settings = VLLMSettings(
+        url=c.vllm_url,
+        max_len=c.max_context,
+        batch_size=c.engine_batch or cfg.rows,
+        concurrency=c.vllm_concurrency,
+        timeout_s=c.request_timeout_s,
+        retries=c.request_retries,
+        wait_s=c.retry_wait_s,
+        probe_tol=c.probe_tol,
+        keep_versions=c.max_staleness + 1,
+    )
+    backend = VLLMBackend(
+        settings,
+        pol.base_dir,
+        pol.lora,
+        pol.model_cfg.vocab_size,
+        run_dir / "vllm_adapters",
+        log=lambda msg: print(msg, file=out, flush=True),
+    )
+    try:
+        backend.start()
+    except BaseException:
+        backend.close()
+        raise
+    return backend
 
 
 def _levels_line(m: dict[str, Any], levels: Sequence[str], prefix: str) -> str:
@@ -528,6 +750,18 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     except FloatingPointError as e:
         print(f"jaxpi grpo: {e}", file=sys.stderr)
         return 3
+    except CollectionFailedError as e:
+        print(f"jaxpi grpo: stopped: {e}", file=sys.stderr)
+        return 4
+    except RuntimeError as e:
+        from jaxpi.vllm.server import ServerError
+        from jaxpi.vllm.sync import AdapterProbeError
+
+        if not isinstance(e, (AdapterProbeError, ServerError)):
+            raise
+        # The served policy is not the trainer's, or no server: collecting now would train on garbage.
+        print(f"jaxpi grpo: stopped: {e}", file=sys.stderr)
+        return 5
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

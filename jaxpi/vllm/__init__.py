@@ -1,0 +1,1 @@
+"""Rollouts on a vLLM server: its venv, the server process, the rollout engine and adapter sync."""
