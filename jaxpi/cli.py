@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pi_cli.add_subparser(sub)
     eval_cli.add_subparser(sub)
+    from jaxpi.vllm import cli as vllm_cli
+
+    vllm_cli.add_subparser(sub)
     return p
 
 
