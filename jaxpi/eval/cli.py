@@ -37,6 +37,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=8192, help="served context per request (tokens)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per model call")
     p.add_argument("--wall-seconds", type=float, default=0.0, help="per attempt; 0 = the task's limit")
+    p.add_argument(
+        "--tools", default="", help="Pi's tool allowlist, e.g. bash (default: Pi's read,bash,edit,write)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: the server's)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the first call; attempts draw apart from it")
     p.add_argument("--json", action="store_true", help="no progress bar; print one JSON object")
 
 
@@ -93,6 +100,9 @@ def _eval_one(args: argparse.Namespace, model: str | None, adapter: str | None, 
             max_tokens_per_call=args.max_new_tokens,
             wall_seconds=args.wall_seconds,
             jobs=args.jobs,
+            tools=tuple(t for t in args.tools.split(",") if t),
+            temperature=args.temperature,
+            seed=args.seed,
         )
         meta = {"model": model, "adapter": adapter, "tasks_dir": str(args.tasks), "attempts": args.attempts}
         return evaluate(

@@ -322,7 +322,7 @@ def _run(
         )
     if ver.returncode in (126, 127):  # bash could not run the test script at all
         return reject("verifier_error", f"verifier exited {ver.returncode}", turns, output, reasoning)
-    finish = summary.limit or "answer"
+    finish = summary.limit or ("length" if summary.last_stop == "length" else "answer")
     return AttemptRecord(
         admitted=True,
         # An attempt cut at a limit is scored like any other: the verifier looks at the workspace.

@@ -2,7 +2,8 @@
 
 An attempt is *admitted* when it ran to an end the model is answerable for: a final answer (then
 the verifier decides `success`) or one of our own limits on turns / output tokens (an admitted
-failure: GRPO must see that the model ran out of room). It is *not admitted*, with `reason`:
+failure: GRPO must see that the model ran out of room), or a last turn cut at the per-call token
+cap ("length"; Pi takes the cut text as its answer). It is *not admitted*, with `reason`:
 
     timeout            the wall clock ran out (the sandbox was killed; the session may be cut short)
     sandbox_limit      the sandbox's memory / process / CPU limit ended Pi
@@ -27,7 +28,7 @@ NOT_ADMITTED = (
     "verifier_error",
     "pi_error",
 )
-FINISHES = ("answer", "max_turns", "max_tokens")
+FINISHES = ("answer", "length", "max_turns", "max_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ class SessionSummary:
     final_text: str | None  # the last assistant turn's text when it made no tool call
     tool_calls: int
     messages: int
+    last_stop: str | None = None  # stopReason of the last assistant turn ("stop", "length", "toolUse", ...)
 
 
 def read_session_summary(path: Path) -> SessionSummary:
@@ -95,7 +97,7 @@ def read_session_summary(path: Path) -> SessionSummary:
     if entries[0]["type"] != "session" or entries[0].get("version") != 3:
         raise ValueError(f"{path}:1: not a Pi v3 session header")
     turns = output = calls = messages = 0
-    error = limit = final = None
+    error = limit = final = last_stop = None
     for e in entries[1:]:
         if e["type"] == "custom" and e.get("customType") == "jaxpi.limit":
             limit = (e.get("data") or {}).get("reason")
@@ -108,6 +110,7 @@ def read_session_summary(path: Path) -> SessionSummary:
         turns += 1
         usage = m.get("usage") or {}
         output += int(usage.get("output") or 0)
+        last_stop = m.get("stopReason")
         if m.get("stopReason") == "error":
             error = str(m.get("errorMessage") or "model call failed")
         blocks = m.get("content") or []
@@ -115,4 +118,4 @@ def read_session_summary(path: Path) -> SessionSummary:
         calls += n_calls
         text = "".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
         final = text if n_calls == 0 else None
-    return SessionSummary(turns, output, error, limit, final, calls, messages)
+    return SessionSummary(turns, output, error, limit, final, calls, messages, last_stop)

@@ -1,0 +1,207 @@
+"""GRPO collections from real Pi sessions: `PiCollector.run(tasks, group, seed) -> list[Trajectory]`.
+
+The trainer's own `Collector` runs the agent loop in-process; this one runs every task × level ×
+group attempt as a sandboxed Pi session (`jaxpi.runner.attempt`) against the trainer's policy:
+
+    Pi (sandbox) ──► gateway (records token ids + logprobs per attempt) ──► jaxpi serve on the
+                                                                             trainer's JaxEngine
+
+The server is built on the very engine the trainer updates (`engine.update_weights` after each
+update), so every collection samples the current policy without copying weights. Each attempt's
+gateway records become a token-exact sample (`jaxpi.gateway.build_samples`); the verifier's
+outcome and the runner's admission are attached (`jaxpi.gateway.to_trajectory`).
+
+Non-merging calls. The gateway merges an attempt's calls into one sample while each call's
+prompt extends the previous prompt + completion token for token, and starts a new sample where it
+does not (history rewritten by the client or the template). GRPO scores one row per attempt, so
+an attempt that came out as more than one sample is kept as an attempt — its success counts in
+its group's statistics — but is not admitted for training (reason "split: ..."): training on one
+of its pieces would credit tokens the outcome does not belong to alone. `split_stats` of the last
+collection is kept in `last_stats` for the run's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxpi.envs.agent_loop import Trajectory
+from jaxpi.runner.attempt import RunnerConfig, run_attempts
+from jaxpi.runner.record import AttemptRecord
+from jaxpi.tasks.task import Task, load_tasks
+
+
+def load_task_pool(
+    tasks_dir: str | Path, eval_dir: str | Path | None = None
+) -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out tasks) from task directories (`jaxpi.tasks` format)."""
+    pool = load_tasks(tasks_dir)
+    if not pool:
+        raise ValueError(f"{tasks_dir}: no tasks (directories with a task.toml)")
+    held = load_tasks(eval_dir) if eval_dir else []
+    return pool, held
+
+
+def serve_engine(engine: Any, tokenizer_dir: str | Path, *, max_len: int, max_new_tokens: int) -> Any:
+    """`jaxpi serve`'s HTTP front on an existing engine (a handle with `.url` and `.close()`)."""
+    from functools import partial
+    from http.server import ThreadingHTTPServer
+
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.serve.batcher import Batcher
+    from jaxpi.serve.chat import ChatFormat
+    from jaxpi.serve.server import ServeHandle, ServeHandler
+    from jaxpi.serve.service import Service
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(tokenizer_dir)))
+    batcher = Batcher(engine, max_rows=engine.batch_size, wait_s=0.02)
+    service = Service(
+        fmt,
+        batcher,
+        served="policy",
+        max_len=max_len,
+        max_new_tokens=max_new_tokens,
+        vocab_size=engine.vocab_size,
+    )
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(ServeHandler, service=service))
+    httpd.daemon_threads = True
+    return ServeHandle(httpd, service, {"model": "policy"})
+
+
+def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[int, int]) -> Trajectory:
+    """One attempt as GRPO's `Trajectory`: the gateway's merged sample, the runner's verdict."""
+    from jaxpi.gateway import build_samples, to_trajectory
+
+    ok_calls = [c for c in calls if not c.get("error")]
+    samples = build_samples(ok_calls, *think, attempt=rec.attempt_id).samples if ok_calls else ()
+    finish = rec.finish if rec.finish in ("answer", "length", "max_turns", "max_tokens") else "answer"
+    reason = rec.reason if not rec.admitted else (None if rec.finish == "answer" else rec.finish)
+    malformed = not rec.admitted
+    if rec.admitted and len(samples) != 1:
+        malformed, reason = True, f"split: the gateway merged the attempt's calls into {len(samples)} samples"
+    if not samples:
+        # Nothing sampled (the first call failed): an empty row that carries the verdict only.
+        return Trajectory(
+            task_id=rec.task_id,
+            level=rec.level,
+            token_ids=[],
+            mask=[],
+            logprobs=[],
+            prompt_len=0,
+            reasoning_tokens=rec.reasoning_tokens,
+            output_tokens=rec.output_tokens,
+            turns=rec.turns,
+            finish_reason=finish,  # type: ignore[arg-type]
+            success=rec.success,
+            malformed=True,
+            reason=reason or "no recorded model call",
+            attempt_id=rec.attempt_id,
+        )
+    # With a split the last sample is carried (for inspection), not trained on (malformed).
+    return to_trajectory(
+        samples[-1],
+        rec.task_id,
+        rec.level,
+        success=rec.success,
+        finish_reason=finish,  # type: ignore[arg-type]
+        malformed=malformed,
+        reason=reason,
+        attempt_id=rec.attempt_id,
+    )
+
+
+class PiCollector:
+    """The trainer's `Collector` interface over sandboxed Pi attempts (see the module docstring).
+
+    `cfg` is the GRPO config: `reward.levels` are the effort levels, `collect.temperature/top_p`
+    Pi's sampling, `collect.max_new_tokens` each call's cap, `collect.max_context` the served
+    context, `collect.max_turns/max_tokens` the attempt limits. `env` is the `PiEnv` from `make_pi_env`.
+    """
+
+    def __init__(self, cfg: Any, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
+        from jaxpi.eval.endpoint import gateway_in_front
+        from jaxpi.gateway import think_ids
+
+        self.cfg, self.engine, self.env = cfg, engine, env
+        self.think = think_ids(tokenizer)
+        self.versions: list[int] = []
+        self.last_stats: dict[str, float] = {}
+        self.records: list[AttemptRecord] = []
+        c = cfg.collect
+        self._server = serve_engine(
+            engine, render_cfg.tokenizer_dir, max_len=c.max_context, max_new_tokens=c.max_new_tokens
+        )
+        self._gw_cm = gateway_in_front(self._server.url)
+        self._url, self._trace, _ = self._gw_cm.__enter__()
+        self._out = Path(env.out_dir or tempfile.mkdtemp(prefix="jaxpi-pi-collect-"))
+        self._counter = itertools.count()
+
+    def runner_config(self, seed: int) -> RunnerConfig:
+        c = self.cfg.collect
+        return dataclasses.replace(
+            self.env.runner,
+            model_id="policy",
+            context_window=c.max_context,
+            max_tokens_per_call=c.max_new_tokens,
+            max_turns=c.max_turns,
+            max_tokens=c.max_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            seed=seed,
+        )
+
+    def run(self, tasks: Sequence[Task], group: int, seed: int) -> list[Trajectory]:
+        from jaxpi.gateway import build_samples, split_stats
+
+        n = next(self._counter)
+        jobs = [
+            (t, level, f"c{n:05d}-{i:04d}-{t.id}-{level}")
+            for i, (t, level) in enumerate(
+                (t, lv) for t in tasks for lv in self.cfg.reward.levels for _ in range(group)
+            )
+        ]
+        recs = run_attempts(
+            jobs,
+            self._url,
+            self._out / f"collection-{n:05d}",
+            cfg=self.runner_config(seed),
+            trace=self._trace,
+        )
+        self.records = recs
+        out, merged = [], []
+        for rec in recs:
+            calls = [c for c in rec.calls if not c.get("error")]
+            merged.append(build_samples(calls, *self.think, attempt=rec.attempt_id))
+            out.append(attempt_trajectory(rec, rec.calls, self.think))
+        self.last_stats = split_stats(merged)
+        self.versions = [getattr(self.engine, "policy_version", -1)] * len(out)
+        return out
+
+    def close(self) -> None:
+        self._gw_cm.__exit__(None, None, None)
+        self._server.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class PiEnv:
+    """What `env.name: pi` needs beyond the GRPO config: where attempts write, the runner's knobs."""
+
+    out_dir: str = ""  # attempt outputs (sessions, events, verifier); "" = a temp dir
+    runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+
+
+def make_pi_env(cfg: Any) -> tuple[PiEnv, list[Task], list[Task]]:
+    """The trainer's env factory for `env.name: pi`: (PiEnv, task pool, held-out tasks) from
+    `env.tasks_dir` (and `env.eval_tasks_dir`, optional)."""
+    e = cfg.env
+    tasks_dir = getattr(e, "tasks_dir", "")
+    if not tasks_dir:
+        raise ValueError("env.name=pi needs env.tasks_dir (a directory of tasks, e.g. tasks/basic)")
+    pool, held = load_task_pool(tasks_dir, getattr(e, "eval_tasks_dir", "") or None)
+    out_dir = str(Path(cfg.output.dir) / "pi_attempts")
+    return PiEnv(out_dir=out_dir, runner=RunnerConfig(jobs=getattr(e, "jobs", 2))), pool, held

@@ -1,0 +1,455 @@
+"""Real Pi sessions as rollouts, end to end with the real Pi CLI (installed by `make pi`).
+
+The chain under test, all real: a tiny Qwen3.5 (toy-random base) served by `jaxpi serve` behind the
+recording gateway; Pi 0.73.1 in the sandbox with an isolated config home; the task's verifier.
+
+1. The untrained model at low effort: Pi's real request is recorded by the gateway (system prompt,
+   the bash tool's schema, `reasoning_effort: low`, the attempt id as API key); the attempt ends
+   at the per-call cap and fails the verifier (an admitted failure).
+2. LoRA SFT on one scripted session built from that very request (Pi's system prompt + the bash
+   tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final answer): the
+   prompt is ~1.5k tokens with the tiny tokenizer, so 2048-token rows hold the session whole.
+3. `PiCollector` (the GRPO collector) serves the SFT policy's JaxEngine behind the gateway and
+   runs the attempt greedily: Pi issues the bash call, it executes in the sandbox, the verifier
+   passes; the gateway's token-exact trajectory has mask 0 on the prompt and the tool result.
+4. One GRPO update (the trainer's loss and train step) consumes the group {SFT success, untrained
+   failure} and moves the adapters.
+
+Pi's tool set is restricted to bash (`--tools bash`): Pi's four default tools make a 3.2k-token
+prompt, which would double the SFT's cost; the prompt is otherwise Pi's own.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpi.runner.install import PI_VERSION, find_pi
+from jaxpi.runner.pi_config import LEVELS, models_json, settings_json
+from jaxpi.runner.record import AttemptRecord, read_session_summary
+from jaxpi.sandbox import bwrap_path
+
+
+def _pi_installed() -> bool:
+    try:
+        find_pi()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_pi = pytest.mark.skipif(
+    bwrap_path() is None or not _pi_installed(), reason="needs bubblewrap and Pi (`make pi`)"
+)
+
+LEVEL = "low"
+MAX_LEN = 2048
+INSTRUCTION = "Create a file named hello.txt that contains the word hello."
+COMMAND = "echo hello > hello.txt"
+SFT_STEPS = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_task(root: Path) -> Path:
+    d = root / "hello-file"
+    (d / "tests").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "instruction.md").write_text(INSTRUCTION + "\n")
+    (d / "task.toml").write_text(
+        '[metadata]\nid = "hello-file"\ncategory = "shell"\ndifficulty = "easy"\n\n'
+        "[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = 512\n\n[verifier]\ntimeout = 20\n"
+    )
+    (d / "tests" / "test.sh").write_text('#!/bin/bash\n[ "$(cat hello.txt 2>/dev/null)" = hello ]\n')
+    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{COMMAND}\n")
+    return d
+
+
+# ---- pure parts -------------------------------------------------------------------------------------
+
+
+def test_models_json_points_pi_at_the_gateway_with_the_attempt_key():
+    m = models_json("http://127.0.0.1:9/v1/", "att-1", "policy", context_window=2048, max_tokens=64)
+    prov = m["providers"]["jaxpi"]
+    assert prov["baseUrl"] == "http://127.0.0.1:9/v1" and prov["apiKey"] == "att-1"
+    assert prov["api"] == "openai-completions" and prov["compat"]["supportsDeveloperRole"] is False
+    model = prov["models"][0]
+    assert model["reasoning"] is True and model["contextWindow"] == 2048 and model["maxTokens"] == 64
+    # xhigh only exists for Pi when the map names it; off sends no reasoning_effort at all.
+    assert model["thinkingLevelMap"]["xhigh"] == "xhigh" and "off" not in model["thinkingLevelMap"]
+    s = settings_json("policy", "xhigh")
+    assert s["defaultThinkingLevel"] == "xhigh" and s["compaction"]["enabled"] is False
+    assert s["retry"]["enabled"] is False
+    with pytest.raises(ValueError, match="thinking level"):
+        settings_json("policy", "max")
+    with pytest.raises(ValueError, match="context_window"):
+        models_json("http://h:1", "k", "m", context_window=0, max_tokens=1)
+    assert LEVELS == ("off", "minimal", "low", "medium", "high", "xhigh")
+
+
+def test_session_summary_reads_turns_and_names_bad_lines(tmp_path):
+    good = tmp_path / "s.jsonl"
+    lines = [
+        {"type": "session", "version": 3, "id": "x", "cwd": "/workspace"},
+        {"type": "message", "id": "1", "parentId": None, "message": {"role": "user", "content": "hi"}},
+        {
+            "type": "message",
+            "id": "2",
+            "parentId": "1",
+            "message": {
+                "role": "assistant",
+                "content": [{"type": "toolCall", "id": "c", "name": "bash", "arguments": {"command": "ls"}}],
+                "usage": {"output": 7},
+                "stopReason": "toolUse",
+            },
+        },
+        {
+            "type": "message",
+            "id": "3",
+            "parentId": "2",
+            "message": {"role": "toolResult", "toolCallId": "c", "content": [{"type": "text", "text": "x"}]},
+        },
+        {
+            "type": "message",
+            "id": "4",
+            "parentId": "3",
+            "message": {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "Done."}],
+                "usage": {"output": 3},
+                "stopReason": "stop",
+            },
+        },
+        {
+            "type": "custom",
+            "id": "5",
+            "parentId": "4",
+            "customType": "jaxpi.limit",
+            "data": {"reason": "max_turns"},
+        },
+    ]
+    good.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    s = read_session_summary(good)
+    assert (s.turns, s.output_tokens, s.tool_calls, s.final_text, s.limit) == (2, 10, 1, "Done.", "max_turns")
+    assert s.error is None and s.last_stop == "stop"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(lines[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: undecodable"):
+        read_session_summary(bad)
+    with pytest.raises(ValueError, match="admitted with finish"):
+        AttemptRecord("a", "t", "low", True, False, None, None, 0, 0, 0, 0.0)
+    with pytest.raises(ValueError, match="must be admitted"):
+        AttemptRecord("a", "t", "low", False, True, "timeout", None, 0, 0, 0, 0.0)
+
+
+@needs_pi
+def test_pi_setup_is_idempotent():
+    from jaxpi.runner.install import pi_setup
+
+    pi_setup()  # installs only if the stamp is missing (`make pi` normally wrote it)
+    info = pi_setup()
+    assert info["installed"] is False and info["version"] == PI_VERSION
+    pi = find_pi()
+    assert pi.cli_js.is_file() and pi.version == PI_VERSION
+
+
+# ---- Pi in the sandbox, no model needed ---------------------------------------------------------------
+
+
+@needs_pi
+def test_unreachable_endpoint_and_wall_limit_are_not_admitted(tmp_path):
+    from jaxpi.runner.attempt import RunnerConfig, run_attempt
+    from jaxpi.tasks.task import load_task
+
+    task = load_task(write_task(tmp_path))
+    # Nothing listens there: the sandbox relays the port, the connection is refused, Pi records an error.
+    rec = run_attempt(
+        task, LEVEL, f"http://127.0.0.1:{free_port()}/v1", "att-down", out_dir=tmp_path / "down"
+    )
+    assert not rec.admitted and rec.reason == "upstream_error" and "Connection" in rec.detail
+    assert rec.verifier_returncode is None  # a not-admitted attempt is not scored
+    saved = json.loads((tmp_path / "down" / "record.json").read_text())
+    assert saved["reason"] == "upstream_error" and saved["session_path"].endswith("session.jsonl")
+    # A wall clock too short for node to even start Pi: the sandbox is killed, the attempt timed out.
+    rec = run_attempt(
+        task,
+        LEVEL,
+        f"http://127.0.0.1:{free_port()}/v1",
+        "att-slow",
+        out_dir=tmp_path / "slow",
+        cfg=RunnerConfig(wall_seconds=0.2),
+    )
+    assert not rec.admitted and rec.reason == "timeout"
+
+
+# ---- the end-to-end chain -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pi-e2e")
+
+
+@pytest.fixture(scope="module")
+def task(workdir):
+    from jaxpi.tasks.task import load_task
+
+    return load_task(write_task(workdir / "tasks"))
+
+
+@pytest.fixture(scope="module")
+def base(workdir):
+    from jaxpi.envs.toy_sft import make_toy_base
+
+    return make_toy_base(workdir / "base", seed=0, layers=4)
+
+
+def runner_cfg(**kw):
+    from jaxpi.runner.attempt import RunnerConfig
+
+    return RunnerConfig(tools=("bash",), temperature=0.0, seed=0, context_window=MAX_LEN, jobs=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def untrained(workdir, task, base):
+    """One attempt of the untrained model through serve + gateway: (record, gateway call records)."""
+    from jaxpi.eval.endpoint import policy_endpoint
+    from jaxpi.runner.attempt import run_attempt
+
+    with policy_endpoint(model=str(base), max_len=MAX_LEN, max_new_tokens=8, batch=1) as ep:
+        rec = run_attempt(
+            task,
+            LEVEL,
+            ep.url,
+            "untrained-0",
+            out_dir=workdir / "untrained",
+            cfg=runner_cfg(max_tokens_per_call=8),
+            trace=ep.trace,
+        )
+    return rec
+
+
+@needs_pi
+def test_untrained_attempt_records_pis_real_request(untrained):
+    rec = untrained
+    # Ran to an end the model is answerable for (cut at the 8-token cap) and failed the verifier.
+    assert rec.admitted and not rec.success and rec.finish == "length" and rec.verifier_returncode != 0
+    assert rec.turns == 1 and len(rec.calls) == 1 and rec.output_tokens == 8
+    call = rec.calls[0]
+    # Filed under the attempt id Pi sent as its API key; the effort level arrived as reasoning_effort.
+    assert call["attempt"] == "untrained-0" and call["reasoning_effort"] == LEVEL
+    req = call["request"]
+    assert [t["function"]["name"] for t in req["tools"]] == ["bash"]
+    assert (
+        req["messages"][0]["role"] == "system"
+        and "Current working directory: /workspace" in req["messages"][0]["content"]
+    )
+    assert req["temperature"] == 0.0 and req["seed"] == 0  # set by the runner's Pi extension
+    assert len(call["prompt_token_ids"]) > 1000  # Pi's system prompt and tool schema, rendered
+    assert read_session_summary(Path(rec.session_path)).turns == 1
+
+
+@pytest.fixture(scope="module")
+def sft_ckpt(workdir, base, untrained):
+    """LoRA SFT of the base on one scripted session built from Pi's recorded request."""
+    from jaxpi.configfile import load_config
+    from jaxpi.train.sft import SFTConfig, run_sft
+
+    req = untrained.calls[0]["request"]
+
+    def text(content):
+        return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+    system, user = (text(m["content"]) for m in req["messages"][:2])
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "bash", "arguments": {"command": COMMAND}},
+    }
+    record = {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "(no output)"},
+            {"role": "assistant", "content": "Done.", "reasoning_content": ""},
+        ],
+        "tools": req["tools"],
+        "meta": {"effort": LEVEL, "verified": True, "task_id": "hello-file"},
+    }
+    data = workdir / "sft.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        SFTConfig,
+        root / "configs" / "sft" / "tiny.yaml",
+        [
+            f"model.base={base}",
+            f"data.sessions=[{data}]",
+            f"data.seq_len={MAX_LEN}",
+            "data.batch_size=1",
+            "data.val_fraction=0.0",
+            "data.shuffle=false",
+            "optim.lr=2e-2",
+            "optim.warmup_steps=2",
+            f"train.steps={SFT_STEPS}",
+            "train.eval_every=0",
+            f"train.checkpoint_every={SFT_STEPS}",
+            f"output.dir={workdir / 'sft'}",
+            "output.tensorboard=false",
+        ],
+    )
+    summary = run_sft(cfg, progress=False, out=sys.stderr)
+    assert summary["final_loss"] < 0.1, summary  # the session is memorised
+    return Path(summary["checkpoint"])
+
+
+@pytest.fixture(scope="module")
+def collected(workdir, task, sft_ckpt):
+    """`PiCollector.run` on the SFT policy's engine: (policy, GRPO config, trajectories, records)."""
+    import jax
+    from flax import nnx
+
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.rl.config import GRPOConfig
+    from jaxpi.rl.trainer import load_policy
+    from jaxpi.rollout.jax_engine import JaxEngine
+    from jaxpi.runner.collector import PiCollector, PiEnv
+
+    overrides = {
+        "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
+        "reward": {"kind": "binary", "levels": [LEVEL]},
+        "collect": {
+            "tasks": 1,
+            "group": 1,
+            "temperature": 0.0,
+            "max_turns": 4,
+            "max_tokens": 512,
+            "max_new_tokens": 96,
+            "max_context": MAX_LEN,
+            "row_bucket": 256,
+            "engine_batch": 1,
+        },
+        "train": {"collections": 1},
+        "output": {"dir": str(workdir / "grpo"), "tensorboard": False},
+    }
+    from jaxpi.configfile import from_dict
+
+    cfg = from_dict(GRPOConfig, overrides)
+    pol = load_policy(cfg, workdir / "grpo", jax.random.key(0))
+    engine = JaxEngine(nnx.merge(pol.graphdef, pol.train, pol.rest), max_len=MAX_LEN, batch_size=1)
+    tok = load_tokenizer(pol.tokenizer_dir)
+    env = PiEnv(out_dir=str(workdir / "collect"), runner=runner_cfg())
+    collector = PiCollector(cfg, engine, tok, env, RenderConfig(tokenizer_dir=str(pol.tokenizer_dir)))
+    try:
+        trajs = collector.run([task], 1, seed=0)
+    finally:
+        collector.close()
+    return pol, cfg, tok, trajs, collector.records, collector.last_stats
+
+
+@needs_pi
+def test_pi_solves_the_task_with_a_real_tool_call(collected):
+    _, _, _, trajs, recs, stats = collected
+    rec, traj = recs[0], trajs[0]
+    detail = Path(rec.events_path).parent
+    assert rec.admitted and rec.success, (rec, (detail / "pi_stderr.txt").read_text()[-2000:])
+    assert rec.finish == "answer" and rec.turns == 2 and rec.verifier_returncode == 0
+    # The bash call ran inside the sandbox: Pi's session holds the call and its result.
+    entries = [json.loads(x) for x in Path(rec.session_path).read_text().splitlines()]
+    msgs = [e["message"] for e in entries if e["type"] == "message"]
+    calls = [b for m in msgs if m["role"] == "assistant" for b in m["content"] if b["type"] == "toolCall"]
+    assert [(c["name"], c["arguments"]["command"]) for c in calls] == [("bash", COMMAND)]
+    results = [m for m in msgs if m["role"] == "toolResult"]
+    assert len(results) == 1 and not results[0].get("isError")
+    assert "exit 0" in (detail / "verifier.txt").read_text()
+    # One token-exact sample: the second call's prompt extends the first call's prompt + completion.
+    assert stats["samples"] == 1 and stats["splits"] == 0 and traj.admitted and traj.success
+
+
+@needs_pi
+def test_trajectory_masks_exclude_the_prompt_and_tool_results(collected):
+    _, _, tok, trajs, recs, _ = collected
+    t, calls = trajs[0], recs[0].calls
+    ids, mask, lp = np.array(t.token_ids), np.array(t.mask), np.array(t.logprobs)
+    assert len(ids) == len(mask) == len(lp) and t.prompt_len == len(calls[0]["prompt_token_ids"])
+    # Sampled tokens are exactly the two completions, in order; everything else is masked out.
+    sampled = [x for c in calls for x in c["completion_token_ids"]]
+    assert ids[mask == 1].tolist() == sampled and mask[: t.prompt_len].sum() == 0
+    assert t.output_tokens == int(mask.sum()) == recs[0].output_tokens
+    # The observation between the turns (tool result + next generation prompt) is all mask 0.
+    first_end = t.prompt_len + len(calls[0]["completion_token_ids"])
+    second_prompt = calls[1]["prompt_token_ids"]
+    obs = slice(first_end, len(second_prompt))
+    assert ids[: len(second_prompt)].tolist() == second_prompt
+    assert mask[obs].sum() == 0 and "(no output)" in tok.decode(ids[obs].tolist())
+    # Log-probs are the engine's under the mask (greedy decoding: each near 0, none positive) and 0 elsewhere.
+    assert np.all(lp[mask == 0] == 0.0) and np.all(lp[mask == 1] <= 0.0)
+    assert "bash" in tok.decode(ids[t.prompt_len : first_end].tolist())
+
+
+@needs_pi
+def test_one_grpo_update_consumes_the_attempt(collected, untrained):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpi.gateway import think_ids
+    from jaxpi.lora import LoRAParam
+    from jaxpi.rl.batch import bucket_length, trajectory_batch
+    from jaxpi.rl.loss import make_grpo_loss_fn, sequence_logprobs, trajectory_weights
+    from jaxpi.rl.reward import score_collection
+    from jaxpi.runner.collector import attempt_trajectory
+    from jaxpi.train.schedule import make_optimizer
+    from jaxpi.train.step import make_train_step, split_trainable
+
+    pol, cfg, tok, trajs, _, _ = collected
+    # The group: the SFT policy's success and the untrained policy's failure on the same task and level.
+    failure = attempt_trajectory(untrained, untrained.calls, think_ids(tok))
+    group = [trajs[0], failure]
+    assert failure.admitted and not failure.success
+    score = score_collection([t.to_attempt() for t in group], cfg.reward)
+    assert score.advantages[0] > 0 > score.advantages[1]
+    length = bucket_length(max(len(t.token_ids) for t in group), cfg.collect.row_bucket, MAX_LEN)
+    batch = trajectory_batch(group, score.advantages, length=length)
+    model = nnx.merge(pol.graphdef, pol.train, pol.rest)
+    batch["logp_old"] = np.asarray(sequence_logprobs(model, jnp.asarray(batch["input_ids"])))
+    optimizer = make_optimizer(cfg.optim, 1)
+    step = make_train_step(
+        pol.graphdef,
+        optimizer,
+        loss_fn=make_grpo_loss_fn(cfg.loss),
+        trainable=LoRAParam,
+        weight_fn=trajectory_weights,
+    )
+    before = jax.tree.map(np.asarray, pol.train)
+    params, _, m = step(
+        nnx.merge_state(pol.train, pol.rest),
+        optimizer.init(pol.train),
+        {k: jnp.asarray(v) for k, v in batch.items()},
+    )
+    after = split_trainable(params, LoRAParam)[0]
+    assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b) - a).max()), before, after))
+    assert max(moved) > 0
+
+
+@needs_pi
+def test_grpo_env_pi_is_registered_with_the_trainer():
+    from jaxpi.rl import trainer
+
+    if not hasattr(trainer, "env_entry"):
+        pytest.skip("this trainer has no environment registry yet")
+    from jaxpi.runner.collector import PiCollector, make_pi_env
+
+    entry = trainer.env_entry("pi")
+    assert entry.make is make_pi_env and entry.collector is PiCollector
