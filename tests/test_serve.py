@@ -33,9 +33,11 @@ from jaxpi.serve.scripted import lookup_script, scripted_model
 # hidden 128 >= the script's 67 supervised tokens: the head fit is exact
 CFG = TINY.replace(hidden_size=128, intermediate_size=256)
 MAX_TOKENS = 64  # one decode program for the whole module
-# Engine vs trainer in float32: the tolerance of tests/test_jax_engine.py (XLA's fp32 matmuls round
-# by shape, ~1e-5 after this random model's DeltaNet output norm; a wrong token is off by > 1e-2).
-TOL = 2e-5
+# Engine vs trainer in float32. tests/test_jax_engine.py measures ~1e-5 (TOL 2e-5) on a random
+# model: XLA's fp32 matmuls round by shape ([B, 1, D] decode rows vs [1, T, D] trainer rows),
+# amplified by the DeltaNet output norm. The solved head here has larger weights and scales that
+# gap to up to ~5e-5 (measured); a wrong weight or an off-by-one position is off by > 1e-2.
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -191,26 +193,34 @@ def test_completions_logprobs_equal_the_trainer(served):
 
 
 def test_concurrent_requests_are_batched(served):
+    """Two greedy and two seeded requests at once: at most one engine call per sampling setting,
+    and every result equal to the same request sent alone (keys follow the seed, not the row)."""
     s = served
     url = s["h"].url + "/v1/completions"
     prompts = [s["script"].ids[: 30 + 7 * i] for i in range(4)]
+    extra = [
+        {"temperature": 0},
+        {"temperature": 0},
+        {"temperature": 1.0, "seed": 11},
+        {"temperature": 1.0, "seed": 12},
+    ]
 
-    def one(p):
+    def one(i):
         body = {
-            "prompt": p,
+            "prompt": prompts[i],
             "max_tokens": MAX_TOKENS,
-            "temperature": 0,
             "return_token_ids": True,
             "logprobs": 0,
+            **extra[i],
         }
         return httpx.post(url, json=body, timeout=300).json()["choices"][0]
 
-    alone = [one(p) for p in prompts]
+    alone = [one(i) for i in range(4)]
     before = httpx.get(s["h"].url + "/jaxpi/stats").json()
     together = [None] * 4
 
     def run(i):
-        together[i] = one(prompts[i])
+        together[i] = one(i)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
@@ -219,12 +229,13 @@ def test_concurrent_requests_are_batched(served):
         t.join()
     after = httpx.get(s["h"].url + "/jaxpi/stats").json()
     assert after["requests"] - before["requests"] == 4 and after["rows"] - before["rows"] == 4
-    assert after["engine_calls"] - before["engine_calls"] < 4 and after["batched_rows_max"] >= 2
+    assert after["engine_calls"] - before["engine_calls"] <= 2 and after["batched_rows_max"] >= 2
     for a, b in zip(alone, together, strict=True):
         assert a["token_ids"] == b["token_ids"]
         np.testing.assert_allclose(
             a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], atol=1e-6
         )
+    assert alone[2]["token_ids"] != alone[3]["token_ids"]  # different seeds, different samples
 
 
 def test_bad_requests_get_400_naming_the_problem(served):

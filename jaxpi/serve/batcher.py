@@ -2,14 +2,15 @@
 
 Request threads `submit` rows (one per prompt and choice) and wait. The worker takes the first
 waiting row, keeps gathering for `wait_s` (or until `max_rows` are waiting), groups the rows by
-what one `engine.generate` call must share (temperature, top-p, stop ids, seed), and runs each
-group with the largest `max_tokens` among its rows; a row asking for fewer tokens is cut at its
-own limit afterwards. Cutting is exact: sampling keys depend on (seed, row, position) only, and
-tokens after the cut never influence the ones before it. The engine's shapes are bucketed
-(prefill chunks, power-of-two decode buffers), so a new batch composition compiles nothing new.
+what one engine call must share (temperature, top-p, stop ids), and runs each group with the
+largest `max_tokens` among its rows; a row asking for fewer tokens is cut at its own limit
+afterwards. Cutting is exact: sampling keys depend on (row key, position) only, and tokens after
+the cut never influence the ones before it. The engine's shapes are bucketed (prefill chunks,
+power-of-two decode buffers), so a new batch composition compiles nothing new.
 
-Rows without a seed share a per-batch seed the server draws; their rows get distinct keys.
-A seeded row reproduces when sent alone (row 0) or in the same batch position.
+Each row's sampling key comes from its request's seed (and its choice index), not from its place
+in the batch: a seeded request gives the same tokens alone or batched with any others. Rows
+without a seed get a key the server draws.
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ class Row:
     """One prompt to complete; `done` is set when `result` or `error` is filled."""
 
     prompt: list[int]
-    params: SamplingParams  # max_new_tokens: this row's own limit
-    seeded: bool
+    params: SamplingParams  # max_new_tokens: this row's own limit; seed: unused (see row_key)
+    row_key: int | None  # the row's sampling key (31 bits); None: the server draws one
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: Completion | None = None
     error: BaseException | None = None
 
     def key(self) -> tuple:
         p = self.params
-        return (p.temperature, p.top_p, p.stop_token_ids, p.seed if self.seeded else None)
+        return (p.temperature, p.top_p, p.stop_token_ids)
 
 
 def cut(c: Completion, n: int) -> Completion:
@@ -53,6 +54,28 @@ def cut(c: Completion, n: int) -> Completion:
         sampling_logprobs=c.sampling_logprobs[:n],
         finish_reason="length",
     )
+
+
+def generate_keyed(
+    engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams, keys: Sequence[int]
+) -> list[Completion]:
+    """One turn per prompt, row i sampled with key fold_in(key(params.seed), keys[i]).
+
+    `JaxEngine.generate` keys rows by their index in the call; its `_turn` takes the row ids, so
+    the server calls that (in waves of the engine's batch size) to key rows by request instead.
+    Engines without it (any other `RolloutEngine`) fall back to `generate`.
+    """
+    turn = getattr(engine, "_turn", None)
+    if turn is None:
+        return engine.generate(prompts, params)
+    out: list[Completion] = []
+    for i in range(0, len(prompts), engine.batch_size):
+        sessions = engine.start(prompts[i : i + engine.batch_size])
+        try:
+            out += turn(sessions, [[]] * len(sessions), params, row_ids=keys[i : i + engine.batch_size])
+        finally:
+            engine.close(sessions)
+    return out
 
 
 @dataclasses.dataclass
@@ -126,9 +149,8 @@ class Batcher:
             groups: dict[tuple, list[Row]] = {}
             for r in rows:
                 groups.setdefault(r.key(), []).append(r)
-            for key, members in groups.items():
-                seed = key[3] if key[3] is not None else int(self._rng.integers(0, 2**31 - 1))
-                self._generate(members, seed)
+            for members in groups.values():
+                self._generate(members)
         while True:  # fail whatever is still queued
             try:
                 r = self._q.get_nowait()
@@ -138,13 +160,14 @@ class Batcher:
                 r.error = RuntimeError("the server shut down before this request ran")
                 r.done.set()
 
-    def _generate(self, rows: list[Row], seed: int) -> None:
+    def _generate(self, rows: list[Row]) -> None:
         params = dataclasses.replace(
-            rows[0].params, seed=seed, max_new_tokens=max(r.params.max_new_tokens for r in rows)
+            rows[0].params, seed=0, max_new_tokens=max(r.params.max_new_tokens for r in rows)
         )
+        keys = [r.row_key if r.row_key is not None else int(self._rng.integers(0, 2**31 - 1)) for r in rows]
         t0 = time.perf_counter()
         try:
-            comps = self.engine.generate([r.prompt for r in rows], params)
+            comps = generate_keyed(self.engine, [r.prompt for r in rows], params, keys)
         except BaseException as e:  # reported to each waiting request; the worker lives on
             for r in rows:
                 r.error, _ = e, r.done.set()

@@ -46,17 +46,15 @@ class Service:
                 "messages",
             )
         stops = tuple(dict.fromkeys((*s.stop_token_ids, *(() if s.ignore_eos else extra_stops))))
-        rows = []
-        for _ in range(s.n):
-            params = SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_new_tokens=min(s.max_tokens, self.max_len - len(prompt)),
-                stop_token_ids=stops,
-                seed=0 if s.seed is None else s.seed % 2**31,  # a jax key takes 31 bits here
-            )
-            rows.append(Row(list(prompt), params, seeded=s.seed is not None))
-        return rows
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=min(s.max_tokens, self.max_len - len(prompt)),
+            stop_token_ids=stops,
+        )
+        # Choice j of a seeded request has its own key (the engine folds row keys as int32).
+        keys = [None if s.seed is None else (s.seed + 1_000_003 * j) % 2**31 for j in range(s.n)]
+        return [Row(list(prompt), params, k) for k in keys]
 
     def _run(self, rows: list[Row]) -> list[Any]:
         try:
