@@ -339,3 +339,49 @@ def test_cli_serves_and_stops_on_sigterm(served):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_peft_and_orbax_adapters_are_loaded_onto_the_base(served, tmp_path):
+    from flax import nnx
+
+    from jaxpi import load_hf
+    from jaxpi.convert.peft import save_peft
+    from jaxpi.hf_fixtures import seeded_noise
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+    from jaxpi.serve.loading import load_served_model
+
+    ckpt = served["ckpt"]
+    _, m = load_hf(ckpt)
+    lcfg = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
+    add_lora(m, lcfg, key=jax.random.key(1))
+    nnx.update(m, seeded_noise(nnx.state(m, LoRAParam), seed=3))  # B non-zero: a real adapter
+    peft_dir = save_peft(m, lcfg, tmp_path / "peft", base_dir=ckpt)
+    loaded = load_served_model(ServeConfig(model=str(ckpt), adapter=str(peft_dir)))
+    assert loaded.adapters == (str(peft_dir),) and loaded.tokenizer_dir == ckpt
+    want = jax.tree.leaves(nnx.state(m, LoRAParam))
+    got = jax.tree.leaves(nnx.state(loaded.model, LoRAParam))
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # the same adapter as a jaxpi (orbax) run directory: --model RUN_DIR finds base and tokenizer
+    from jaxpi.configfile import to_dict
+    from jaxpi.train.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "run", keep=1)
+    meta = {
+        "base": str(ckpt),
+        "model_config": m.cfg.to_hf(),
+        "lora": to_dict(lcfg),
+        "tokenizer": str(ckpt),
+        "config": {},
+    }
+    store.save(1, nnx.state(m, LoRAParam), {"mu": jnp.zeros(())}, {"step": 1}, meta)
+    store.close()
+    run = load_served_model(ServeConfig(model=str(tmp_path / "run")))
+    assert run.base_dir == ckpt and run.tokenizer_dir == ckpt
+    for a, b in zip(jax.tree.leaves(nnx.state(run.model, LoRAParam)), want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    with pytest.raises(FileNotFoundError, match="--adapter"):
+        load_served_model(ServeConfig(model=str(ckpt), adapter=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="neither a PEFT adapter"):
+        load_served_model(ServeConfig(model=str(ckpt), adapter=str(tmp_path)))
