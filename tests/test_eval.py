@@ -140,7 +140,7 @@ def test_jaxpi_eval_serves_runs_pi_and_writes_table_json_png(tmp_path, capsys):
     from jaxpi.cli import main
     from jaxpi.envs.toy_sft import make_toy_base
 
-    base = make_toy_base(tmp_path / "base", seed=0, layers=2)
+    base = make_toy_base(tmp_path / "base", seed=0, layers=2, attention_every=2)
     tasks = write_task(tmp_path / "tasks").parent
     # A saved evaluation in which the task passed, to compare against.
     save_results(

@@ -6,9 +6,10 @@ recording gateway; Pi 0.73.1 in the sandbox with an isolated config home; the ta
 1. The untrained model at low effort: Pi's real request is recorded by the gateway (system prompt,
    the bash tool's schema, `reasoning_effort: low`, the attempt id as API key); the attempt ends
    at the per-call cap and fails the verifier (an admitted failure).
-2. LoRA SFT on one scripted session built from that very request (Pi's system prompt + the bash
-   tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final answer): the
-   prompt is ~1.5k tokens with the tiny tokenizer, so 2048-token rows hold the session whole.
+2. LoRA SFT (30 steps) on one scripted session built from that very request (Pi's system prompt
+   + the bash tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final
+   answer): the prompt is ~1.5k tokens with the tiny tokenizer (1626 with both turns), so
+   2048-token rows hold the session whole.
 3. `PiCollector` (the GRPO collector) serves the SFT policy's JaxEngine behind the gateway and
    runs the attempt greedily: Pi issues the bash call, it executes in the sandbox, the verifier
    passes; the gateway's token-exact trajectory has mask 0 on the prompt and the tool result.
@@ -51,7 +52,7 @@ LEVEL = "low"
 MAX_LEN = 2048
 INSTRUCTION = "Create a file named hello.txt that contains the word hello."
 COMMAND = "echo hello > hello.txt"
-SFT_STEPS = 40
+SFT_STEPS = 30
 
 
 def free_port() -> int:
@@ -210,7 +211,8 @@ def task(workdir):
 def base(workdir):
     from jaxpi.envs.toy_sft import make_toy_base
 
-    return make_toy_base(workdir / "base", seed=0, layers=4)
+    # Two layers, the second full attention: the turn after the tool result must see the result.
+    return make_toy_base(workdir / "base", seed=0, layers=2, attention_every=2)
 
 
 def runner_cfg(**kw):
@@ -420,9 +422,10 @@ def test_one_grpo_update_consumes_the_attempt(collected, untrained):
     score = score_collection([t.to_attempt() for t in group], cfg.reward)
     assert score.advantages[0] > 0 > score.advantages[1]
     length = bucket_length(max(len(t.token_ids) for t in group), cfg.collect.row_bucket, MAX_LEN)
-    batch = trajectory_batch(group, score.advantages, length=length)
-    model = nnx.merge(pol.graphdef, pol.train, pol.rest)
-    batch["logp_old"] = np.asarray(sequence_logprobs(model, jnp.asarray(batch["input_ids"])))
+    batch = {k: jnp.asarray(v) for k, v in trajectory_batch(group, score.advantages, length=length).items()}
+    # Jitted as the trainer does: the log-probs of the sampling policy, then one update.
+    logp = jax.jit(lambda train, rest, ids: sequence_logprobs(nnx.merge(pol.graphdef, train, rest), ids))
+    batch["logp_old"] = logp(pol.train, pol.rest, batch["input_ids"])
     optimizer = make_optimizer(cfg.optim, 1)
     step = make_train_step(
         pol.graphdef,
@@ -431,13 +434,14 @@ def test_one_grpo_update_consumes_the_attempt(collected, untrained):
         trainable=LoRAParam,
         weight_fn=trajectory_weights,
     )
+
+    @jax.jit
+    def update(train, rest, opt_state, batch):
+        params, _, metrics = step(nnx.merge_state(train, rest), opt_state, batch)
+        return split_trainable(params, LoRAParam)[0], metrics
+
     before = jax.tree.map(np.asarray, pol.train)
-    params, _, m = step(
-        nnx.merge_state(pol.train, pol.rest),
-        optimizer.init(pol.train),
-        {k: jnp.asarray(v) for k, v in batch.items()},
-    )
-    after = split_trainable(params, LoRAParam)[0]
+    after, m = update(pol.train, pol.rest, optimizer.init(pol.train), batch)
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b) - a).max()), before, after))
     assert max(moved) > 0
