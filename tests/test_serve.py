@@ -385,3 +385,18 @@ def test_peft_and_orbax_adapters_are_loaded_onto_the_base(served, tmp_path):
         load_served_model(ServeConfig(model=str(ckpt), adapter=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="neither a PEFT adapter"):
         load_served_model(ServeConfig(model=str(ckpt), adapter=str(tmp_path)))
+
+
+def test_max_tokens_beyond_the_context_is_clamped(served):
+    service = served["h"].service
+    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 10**6}
+    req = read_chat_request(
+        body,
+        served="",
+        efforts=service.fmt.efforts,
+        default_max_tokens=8,
+        max_tokens_cap=None,
+        vocab_size=512,
+    )
+    (row,) = service._rows(list(range(100)), req.sampling, (2,))
+    assert row.params.max_new_tokens == 512 - 100 and row.params.stop_token_ids == (2,)

@@ -101,7 +101,7 @@ class Sampling:
 
 
 def read_sampling(
-    body: Mapping, *, default_max_tokens: int, max_tokens_cap: int, vocab_size: int
+    body: Mapping, *, default_max_tokens: int, max_tokens_cap: int | None, vocab_size: int
 ) -> Sampling:
     if body.get("stop"):
         raise bad("'stop' strings are not supported by jaxpi serve; use 'stop_token_ids'", "stop")
@@ -205,7 +205,7 @@ def read_chat_request(
     served: str,
     efforts: Sequence[str],
     default_max_tokens: int,
-    max_tokens_cap: int,
+    max_tokens_cap: int | None,
     vocab_size: int,
 ) -> ChatRequest:
     if not isinstance(body, dict):
@@ -271,7 +271,7 @@ class CompletionRequest:
 
 
 def read_completion_request(
-    body: Any, *, served: str, max_tokens_cap: int, vocab_size: int
+    body: Any, *, served: str, max_tokens_cap: int | None, vocab_size: int
 ) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")

@@ -94,7 +94,7 @@ class Service:
             served=self.served,
             efforts=self.fmt.efforts,
             default_max_tokens=self.max_new_tokens,
-            max_tokens_cap=self.max_len,
+            max_tokens_cap=None,  # clamped to the context left (vLLM would refuse)
             vocab_size=self.vocab_size,
         )
         prompt = self.fmt.prompt(req)
@@ -136,7 +136,10 @@ class Service:
 
     def completions(self, body: Any) -> dict[str, Any]:
         req = read_completion_request(
-            body, served=self.served, max_tokens_cap=self.max_len, vocab_size=self.vocab_size
+            body,
+            served=self.served,
+            max_tokens_cap=None,  # clamped to the context left (vLLM would refuse)
+            vocab_size=self.vocab_size,
         )
         prompts = (
             [list(p) for p in req.prompts] if req.prompts else [self.fmt.encode(t) for t in req.text_prompts]
