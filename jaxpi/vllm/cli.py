@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import threading
@@ -70,6 +71,11 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-bytes", type=int, default=256 * 1024**2, help="CPU only (default 256 MiB)")
     sv.add_argument("--venv", default="", help="the vLLM venv (default: the cached one; built if missing)")
     sv.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    sv.add_argument(
+        "--vllm-args",
+        default="",
+        help='more api_server flags, one string, e.g. "--gpu-memory-utilization 0.5 --tensor-parallel-size 2"',
+    )
     sv.add_argument("--json", action="store_true", help="print the URL etc. as one JSON line when ready")
     sv.set_defaults(fn=cmd_serve)
     return p
@@ -109,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         venv=args.venv,
         startup_timeout_s=args.startup_timeout,
+        extra_args=tuple(shlex.split(args.vllm_args)),
     )
     server = VLLMServer(cfg)
     stop = threading.Event()
