@@ -99,6 +99,9 @@ class Batcher:
         self.stats = Stats()
         self._q: queue.Queue[Row | None] = queue.Queue()
         self._rng = np.random.default_rng(seed)
+        # Held around every engine call: a trainer swapping weights (`engine.update_weights`)
+        # takes it too, so no batch ever runs on half-updated weights.
+        self.engine_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxpi-serve-batcher", daemon=True)
@@ -167,7 +170,8 @@ class Batcher:
         keys = [r.row_key if r.row_key is not None else int(self._rng.integers(0, 2**31 - 1)) for r in rows]
         t0 = time.perf_counter()
         try:
-            comps = generate_keyed(self.engine, [r.prompt for r in rows], params, keys)
+            with self.engine_lock:
+                comps = generate_keyed(self.engine, [r.prompt for r in rows], params, keys)
         except BaseException as e:  # reported to each waiting request; the worker lives on
             for r in rows:
                 r.error, _ = e, r.done.set()

@@ -103,6 +103,8 @@ class Sampling:
 def read_sampling(
     body: Mapping, *, default_max_tokens: int, max_tokens_cap: int | None, vocab_size: int
 ) -> Sampling:
+    if body.get("prompt_logprobs") is not None:
+        raise bad("'prompt_logprobs' is not supported by jaxpi serve", "prompt_logprobs")
     if body.get("stop"):
         raise bad("'stop' strings are not supported by jaxpi serve; use 'stop_token_ids'", "stop")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))

@@ -67,37 +67,70 @@ class ServeHandle(Handle):
         super().__init__(httpd, on_close=service.batcher.close)
 
 
+def serve_engine(
+    engine: Any,
+    tokenizer_dir: str | Any,
+    *,
+    served: str = "policy",
+    max_len: int | None = None,
+    max_new_tokens: int = 1024,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    batch_wait_ms: float = 5.0,
+    seed: int = 0,
+    info: dict[str, Any] | None = None,
+) -> ServeHandle:
+    """Serve an engine that already exists (e.g. the GRPO trainer's, whose weights change).
+
+    To swap weights while serving, hold `handle.service.batcher.engine_lock` around
+    `engine.update_weights(...)`: batches run under the same lock.
+    """
+    from jaxpi.data.render import RenderConfig, load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(tokenizer_dir)))
+    max_len = max_len or engine.max_len
+    batcher = Batcher(engine, max_rows=engine.batch_size, wait_s=batch_wait_ms / 1000, seed=seed)
+    service = Service(
+        fmt,
+        batcher,
+        served=served,
+        max_len=max_len,
+        max_new_tokens=min(max_new_tokens, max_len - 1),
+        vocab_size=engine.vocab_size,
+    )
+    httpd = Server((host, port), partial(ServeHandler, service=service))
+    return ServeHandle(httpd, service, {"model": served, **(info or {})})
+
+
 def start_server(cfg: ServeConfig, *, loaded: Any = None) -> ServeHandle:
     """Load the model (unless `loaded` is given), build the engine, and serve on a thread.
 
     Returns once the socket listens; `handle.url` is the base URL (port 0 picks a free port).
     """
-    from jaxpi.data.render import RenderConfig, load_tokenizer
     from jaxpi.rollout.jax_engine import JaxEngine
     from jaxpi.serve.loading import load_served_model
 
     t0 = time.perf_counter()
     loaded = loaded or load_served_model(cfg)
-    tok = load_tokenizer(str(loaded.tokenizer_dir))
-    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(loaded.tokenizer_dir)))
     engine = JaxEngine(
         loaded.model, max_len=cfg.max_len, batch_size=cfg.max_batch, prefill_chunks=cfg.prefill_chunks
     )
-    batcher = Batcher(engine, max_rows=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000, seed=cfg.seed)
-    service = Service(
-        fmt,
-        batcher,
-        served=cfg.name,
-        max_len=cfg.max_len,
-        max_new_tokens=cfg.max_new_tokens,
-        vocab_size=engine.vocab_size,
-    )
-    httpd = Server((cfg.host, cfg.port), partial(ServeHandler, service=service))
     info = {
-        "model": cfg.name,
         "base": str(loaded.base_dir),
         "adapters": list(loaded.adapters),
         "tokenizer": str(loaded.tokenizer_dir),
         "load_s": round(time.perf_counter() - t0, 3),
     }
-    return ServeHandle(httpd, service, info)
+    return serve_engine(
+        engine,
+        loaded.tokenizer_dir,
+        served=cfg.name,
+        max_len=cfg.max_len,
+        max_new_tokens=cfg.max_new_tokens,
+        host=cfg.host,
+        port=cfg.port,
+        batch_wait_ms=cfg.batch_wait_ms,
+        seed=cfg.seed,
+        info=info,
+    )
