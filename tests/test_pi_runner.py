@@ -3,9 +3,10 @@
 The chain under test, all real: a tiny Qwen3.5 (toy-random base) served by `jaxpi serve` behind the
 recording gateway; Pi 0.73.1 in the sandbox with an isolated config home; the task's verifier.
 
-1. The untrained model at low effort: Pi's real request is recorded by the gateway (system prompt,
-   the bash tool's schema, `reasoning_effort: low`, the attempt id as API key); the attempt ends
-   at the per-call cap and fails the verifier (an admitted failure).
+1. `jaxpi eval` on the untrained model at low effort (the command starts serve + gateway): the
+   table, results.json, the PNG and a paired comparison; Pi's real request is recorded by the
+   gateway (system prompt, the bash tool's schema, `reasoning_effort: low`, the attempt id as API
+   key); the attempt ends at the per-call cap and fails the verifier (an admitted failure).
 2. LoRA SFT (30 steps) on one scripted session built from that very request (Pi's system prompt
    + the bash tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final
    answer): the prompt is ~1.5k tokens with the tiny tokenizer (1626 with both turns), so
@@ -22,6 +23,8 @@ prompt, which would double the SFT's cost; the prompt is otherwise Pi's own.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import socket
 import sys
@@ -222,22 +225,50 @@ def runner_cfg(**kw):
 
 
 @pytest.fixture(scope="module")
-def untrained(workdir, task, base):
-    """One attempt of the untrained model through serve + gateway: (record, gateway call records)."""
-    from jaxpi.eval.endpoint import policy_endpoint
-    from jaxpi.runner.attempt import run_attempt
+def evaluated(workdir, task, base):
+    """`jaxpi eval` on the untrained model (it starts serve + gateway itself), compared with a saved
+    evaluation in which the task passed: (the command's JSON report, its output directory)."""
+    from jaxpi.cli import main
+    from jaxpi.eval.run import results_object, save_results
 
-    with policy_endpoint(model=str(base), max_len=MAX_LEN, max_new_tokens=8, batch=1) as ep:
-        rec = run_attempt(
-            task,
-            LEVEL,
-            ep.url,
-            "untrained-0",
-            out_dir=workdir / "untrained",
-            cfg=runner_cfg(max_tokens_per_call=8),
-            trace=ep.trace,
-        )
-    return rec
+    oracle = {"attempt_id": "o", "task_id": task.id, "level": LEVEL, "admitted": True, "success": True}
+    oracle |= {"reason": None, "finish": "answer", "turns": 2, "output_tokens": 40, "reasoning_tokens": 0}
+    save_results(
+        results_object([{**oracle, "wall_seconds": 1.0}], [LEVEL], name="oracle", meta={}), workdir / "oracle"
+    )
+    out = workdir / "eval"
+    argv = ["eval", "--model", str(base), "--tasks", str(task.path), "--levels", LEVEL, "--attempts", "1"]
+    argv += ["--max-len", str(MAX_LEN), "--max-new-tokens", "8", "--tools", "bash", "--temperature", "0"]
+    argv += ["--jobs", "1", "--out", str(out), "--compare", str(workdir / "oracle"), "--json"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv) == 0
+    return json.loads(buf.getvalue()), out
+
+
+@pytest.fixture(scope="module")
+def untrained(evaluated):
+    """The untrained model's attempt, with the gateway's records of its calls."""
+    _, out = evaluated
+    (r,) = json.loads((out / "results.json").read_text())["records"]
+    d = json.loads((out / "attempts" / r["attempt_id"] / "record.json").read_text())
+    return AttemptRecord(**{**d, "calls": tuple(d["calls"])})
+
+
+@needs_pi
+def test_jaxpi_eval_writes_the_table_json_png_and_comparison(evaluated):
+    report, out = evaluated
+    low = report["table"][LEVEL]
+    # The untrained model answers 8 tokens of noise: an admitted attempt that fails its verifier.
+    assert (low["attempts"], low["admitted"], low["successes"]) == (1, 1, 0)
+    assert low["pass_rate"]["value"] == 0.0 and low["pass_rate"]["hi"] > 0.5  # Wilson at 0/1
+    assert low["output_tokens"] == 8 and low["turns"] == 1 and low["wall_seconds"] > 0
+    (r,) = json.loads((out / "results.json").read_text())["records"]
+    assert r["task_id"] == "hello-file" and r["verifier_returncode"] != 0 and r["reason"] is None
+    assert Path(r["session_path"]).is_file() and (out / "frontier.png").stat().st_size > 1000
+    assert (out / "table.txt").read_text().splitlines()[0].startswith("base: 1 attempts")
+    # Paired with the saved evaluation where the task passed: -1 on the one shared task.
+    assert report["compare"]["differences"][LEVEL]["value"] == -1.0 and (out / "compare.png").is_file()
 
 
 @needs_pi
@@ -248,7 +279,7 @@ def test_untrained_attempt_records_pis_real_request(untrained):
     assert rec.turns == 1 and len(rec.calls) == 1 and rec.output_tokens == 8
     call = rec.calls[0]
     # Filed under the attempt id Pi sent as its API key; the effort level arrived as reasoning_effort.
-    assert call["attempt"] == "untrained-0" and call["reasoning_effort"] == LEVEL
+    assert call["attempt"] == rec.attempt_id and call["reasoning_effort"] == LEVEL
     req = call["request"]
     assert [t["function"]["name"] for t in req["tools"]] == ["bash"]
     assert (

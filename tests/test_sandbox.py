@@ -84,6 +84,23 @@ def test_workspace_is_writable_and_what_the_command_sees(ws, mode):
     assert (ws / "made.txt").stat().st_uid == ws.stat().st_uid == os.getuid()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_writable_mount_beside_the_workspace(ws, mode):
+    # An agent's config home: writable inside, kept on the host, handed back to its owner.
+    home = ws.parent / "home"
+    home.mkdir()
+    (home / "models.json").write_text("{}")
+    r = _sh(
+        "cat /agent/models.json && echo s > /agent/session.jsonl", ws, _cfg(mode), rw_mounts={"/agent": home}
+    )
+    assert r.ok and r.stdout == "{}", r
+    assert (home / "session.jsonl").read_text() == "s\n" and (
+        home / "session.jsonl"
+    ).stat().st_uid == os.getuid()
+    with pytest.raises(ValueError, match="writable mount"):
+        _sh("true", ws, rw_mounts={"/agent": home / "models.json"})
+
+
 def test_stdin_env_and_exit_status(ws):
     r = run_sandboxed(
         ["bash", "-c", "read x; echo $x-$FOO; exit 7"], ws, CFG, env={"FOO": "bar"}, stdin="in\n"

@@ -153,7 +153,9 @@ def _copy_session(home: Path, out_dir: Path) -> Path | None:
     if not found:
         return None
     dst = out_dir / "session.jsonl"
-    shutil.copyfile(found[-1], dst)
+    tmp = out_dir / ".session.jsonl.tmp"
+    shutil.copyfile(found[-1], tmp)
+    os.replace(tmp, dst)
     return dst
 
 
@@ -259,8 +261,8 @@ def _run(
         rw_mounts={_HOME: home},
     )
     wall = time.monotonic() - t0
-    (out / "events.jsonl").write_text(res.stdout)
-    (out / "pi_stderr.txt").write_text(res.stderr)
+    _write_atomic(out / "events.jsonl", res.stdout)
+    _write_atomic(out / "pi_stderr.txt", res.stderr)
     session = _copy_session(home, out)
     calls = tuple(trace(attempt_id) or ()) if trace is not None else ()
     common = {
