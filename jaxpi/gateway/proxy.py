@@ -64,6 +64,7 @@ class Gateway:
             "error": None,
         }
         try:
+            # Non-streaming upstream: one reply holds prompt ids, completion ids and logprobs.
             reply = post(
                 self.client, f"{self.upstream}/v1/chat/completions", upstream_body(body), self.timeout_s
             )
@@ -76,6 +77,7 @@ class Gateway:
         with self._lock:
             self.counts["calls"] += 1
             self.counts["errors"] += record["error"] is not None
+        # Recorded before the client is answered: a client that hangs up still leaves its call on disk.
         return status, out, self.store.append(attempt, record)
 
 

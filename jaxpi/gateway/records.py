@@ -74,6 +74,7 @@ class RecordStore:
             path = self.path(attempt)
             if path is not None:
                 # One write per line and an fsync: a crash loses at most the line being written.
+                # Opened per append, no handle kept: many attempts of few calls each.
                 with path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                     f.flush()

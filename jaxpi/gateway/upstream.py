@@ -71,6 +71,7 @@ def check_reply(reply: Any) -> dict[str, Any]:
     if not isinstance(content, list):
         raise malformed("choices[0].logprobs.content missing")
     lps = [e.get("logprob") if isinstance(e, dict) else None for e in content]
+    # One logprob per sampled id, or the trainer would weight the wrong tokens.
     if len(lps) != len(ids) or not all(isinstance(x, int | float) and not math.isnan(x) for x in lps):
         raise malformed(f"{len(lps)} logprobs for {len(ids)} completion tokens")
     if c.get("finish_reason") not in ("stop", "length", "tool_calls"):

@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_until_signal(handle: Any, info: dict[str, Any], as_json: bool) -> int:
     """Print where the server listens, then block until SIGTERM/SIGINT and close it."""
+    # Handlers only set an event: closing sockets inside a signal frame could deadlock serve_forever.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

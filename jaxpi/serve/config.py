@@ -47,6 +47,7 @@ class ServeConfig:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        # A default turn must leave room for at least one prompt token.
         if not 1 <= self.max_new_tokens < self.max_len:
             raise ValueError(
                 f"max_new_tokens must be in [1, max_len={self.max_len}), got {self.max_new_tokens}"

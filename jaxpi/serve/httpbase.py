@@ -30,6 +30,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def read_json(self) -> Any:
+        # A size cap: one runaway client must not exhaust the memory the model lives in.
         n = int(self.headers.get("Content-Length") or 0)
         if n > MAX_BODY:
             raise ApiError(413, f"request body of {n} bytes is over the {MAX_BODY}-byte limit")
@@ -55,6 +56,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        # No Content-Length on a stream: closing the connection marks its end (valid HTTP/1.1).
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True

@@ -80,6 +80,8 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
         tok_dir = Path(cfg.tokenizer)
     _, model = load_hf(base_dir, jnp.dtype(cfg.dtype))
     if state is not None:
+        # The adapter's structure comes from add_lora with the checkpoint's LoRA config; the saved
+        # values then replace the fresh ones (B = 0 there, so nothing random survives).
         add_lora(model, lora_cfg, key=jax.random.key(0))
         nnx.update(model, state)
     for kind, p in adapters:

@@ -269,7 +269,6 @@ class CompletionRequest:
     logprobs: int | None
     return_token_ids: bool
     tokens_as_ids: bool
-    echo: bool
 
 
 def read_completion_request(
@@ -306,7 +305,6 @@ def read_completion_request(
         logprobs=_int(body, "logprobs", None, 0, 20),
         return_token_ids=_bool(body, "return_token_ids"),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
-        echo=False,
     )
 
 

@@ -51,12 +51,12 @@ class ServeHandler(JsonHandler):
             self.not_found()
 
     def _chat(self) -> None:
-        out = self.service.chat(self.read_json())
-        stream, include_usage = out.pop("_stream")
-        if stream:
-            self.send_events(stream_chunks(out, include_usage=include_usage))
+        # The turn is complete before the first byte goes out: streaming only changes the framing.
+        reply = self.service.chat(self.read_json())
+        if reply.stream:
+            self.send_events(stream_chunks(reply.response, include_usage=reply.include_usage))
         else:
-            self.send_json(200, out)
+            self.send_json(200, reply.response)
 
 
 class ServeHandle(Handle):
@@ -90,6 +90,7 @@ def serve_engine(
     tok = load_tokenizer(str(tokenizer_dir))
     fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(tokenizer_dir)))
     max_len = max_len or engine.max_len
+    # One worker thread owns the engine; HTTP threads only parse, render, wait and answer.
     batcher = Batcher(engine, max_rows=engine.batch_size, wait_s=batch_wait_ms / 1000, seed=seed)
     service = Service(
         fmt,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxpi.rollout.engine import SamplingParams
@@ -16,6 +17,15 @@ from jaxpi.serve.protocol import (
     read_chat_request,
     read_completion_request,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatReply:
+    """A chat.completion and how the client wants it delivered."""
+
+    response: dict[str, Any]
+    stream: bool
+    include_usage: bool
 
 
 class Service:
@@ -88,7 +98,7 @@ class Service:
             ],
         }
 
-    def chat(self, body: Any) -> dict[str, Any]:
+    def chat(self, body: Any) -> ChatReply:
         req = read_chat_request(
             body,
             served=self.served,
@@ -131,8 +141,7 @@ class Service:
         }
         if req.return_token_ids:
             out["prompt_token_ids"] = list(prompt.ids)
-        out["_stream"] = (req.stream, req.include_usage)  # read (and removed) by the HTTP layer
-        return out
+        return ChatReply(out, req.stream, req.include_usage)
 
     def completions(self, body: Any) -> dict[str, Any]:
         req = read_completion_request(
