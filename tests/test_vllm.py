@@ -231,6 +231,32 @@ def test_probe_verdicts_and_staleness_are_pure_functions():
     assert stale([5, 4, 3, 5], current=5, max_staleness=1) == [False, False, True, False]
 
 
+def test_staleness_registry_and_resume_keys():
+    from jaxpi.envs.agent_loop import Trajectory
+    from jaxpi.rl.trainer import FIXED_ON_RESUME, admit_fresh, changed_keys, env_entry, register_env
+
+    def traj(name, malformed=False):
+        return Trajectory(name, "low", [1, 2], [0, 1], [0.0, -1.0], 1, 0, 1, 1, "answer", True, malformed)
+
+    out = admit_fresh(
+        [traj("a"), traj("b"), traj("c", malformed=True)], [3, 1, 1], current=3, max_staleness=1
+    )
+    assert [t.admitted for t in out] == [True, False, False]
+    assert "stale: sampled by policy v1, 2 updates old" in out[1].reason and out[2].reason is None
+    # Environments come from a registry; "pi" is provided by the Pi runner's module.
+    register_env("test-env", lambda cfg: ("env", [1], []))
+    assert env_entry("test-env").make(None) == ("env", [1], [])
+    with pytest.raises(ValueError, match=r"unknown env\.name"):
+        env_entry("nope")
+    # A resumed run may point at a restarted server, not change what is sampled.
+    saved = {"collect": {"engine": "vllm", "vllm_url": "http://a:1", "group": 2}}
+    moved = {"collect": {"engine": "vllm", "vllm_url": "http://b:2", "group": 2}}
+    assert changed_keys(saved, moved, FIXED_ON_RESUME) == []
+    assert changed_keys(saved, {"collect": {**moved["collect"], "engine": "jax"}}, FIXED_ON_RESUME) == [
+        "collect.engine"
+    ]
+
+
 def test_malformed_replies_are_engine_errors():
     params = SamplingParams(max_new_tokens=4, stop_token_ids=(7,))
     good = {

@@ -334,7 +334,7 @@ class Collector:
 
     def __init__(self, cfg: GRPOConfig, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
         self.cfg, self.engine, self.tok, self.env, self.render_cfg = cfg, engine, tokenizer, env, render_cfg
-        self.versions: list[int] = []  # policy version of each attempt of the last `run`
+        self.versions: list[int | None] = []  # policy version of each attempt of the last `run`
 
     def run(self, tasks: Sequence[Any], group: int, seed: int) -> list[Any]:
         from jaxpi.envs.agent_loop import run_attempts
@@ -365,7 +365,8 @@ class Collector:
                 max_context=c.max_context,
                 seed=seed + start,
             )
-            self.versions += [getattr(self.engine, "policy_version", -1)] * (len(out) - len(self.versions))
+            # None: the engine does not track versions (JaxEngine holds the current policy by construction).
+            self.versions += [getattr(self.engine, "policy_version", None)] * (len(out) - len(self.versions))
         return out
 
 
@@ -526,7 +527,7 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
             try:
                 push(step)
                 trajs = collector.run(tasks, group, seed)
-                versions = list(collector.versions) or [step] * len(trajs)
+                versions = [step if v is None else v for v in collector.versions] or [step] * len(trajs)
                 return admit_fresh(trajs, versions, step, cfg.collect.max_staleness), versions
             except RECOVERABLE as e:
                 kind = getattr(e, "kind", "server")

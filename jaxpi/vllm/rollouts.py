@@ -72,7 +72,8 @@ class VLLMBackend:
                     max_loras=self.s.keep_versions + 1,
                     max_model_len=self.s.max_len,
                     startup_timeout_s=self.s.startup_timeout_s,
-                )
+                ),
+                log_path=self.adapters_dir.parent / "vllm_server.log",
             )
             self.server.start(log=self.log)
         cfg = VLLMEngineConfig(

@@ -187,12 +187,17 @@ def server_env() -> dict[str, str]:
 class VLLMServer:
     """A running vLLM server (context manager). `.url` is the http root; `.log_path` the log."""
 
-    def __init__(self, cfg: ServerConfig | None = None, /, **kw: Any) -> None:
+    def __init__(
+        self, cfg: ServerConfig | None = None, /, log_path: str | Path | None = None, **kw: Any
+    ) -> None:
         self.cfg = cfg if cfg is not None else ServerConfig(**kw)
         self.kind = self.cfg.kind or detect_kind()
         self.proc: subprocess.Popen | None = None
         self.port = 0
-        self.log_path = Path(tempfile.mkstemp(prefix="jaxpi-vllm-", suffix=".log")[1])
+        # Appended to across restarts: one file tells the server's whole story.
+        self.log_path = (
+            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="jaxpi-vllm-", suffix=".log")[1])
+        )
         self.startup_s: float | None = None
 
     @property
