@@ -5,11 +5,11 @@ the engine, adapter sync, and recovery after failures.
     backend.start()                                  # server up (started here unless `url` is given)
     backend.push(model, version, expected, base)     # export → load → probe; engine now samples it
     ... collector.run(...) with backend.engine ...
-    backend.recover()                                # after an EngineError: server back, adapter re-pushed
+    backend.recover()                                # after an EngineError: server back; push again
     backend.close()
 
-`recover` waits for an external server's `/health` (up to `wait_s`), or restarts the one it owns,
-then loads the current adapter again (a restarted server has none) and re-probes it.
+`recover` waits for an external server's `/health` (up to `wait_s`), or restarts the one it owns;
+the caller then pushes (and probes) the current adapter again: a restarted server has none.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class VLLMBackend:
         self.server: VLLMServer | None = None
         self.engine: VLLMEngine | None = None
         self.sync: AdapterSync | None = None
-        self._current: tuple[int, np.ndarray, np.ndarray] | None = None  # last pushed version + expectations
 
     @property
     def url(self) -> str:
@@ -102,12 +101,10 @@ class VLLMBackend:
 
     def push(self, model: Any, version: int, expected: np.ndarray, expected_base: np.ndarray) -> ProbeResult:
         assert self.sync is not None
-        res = self.sync.push(model, version, expected, expected_base)
-        self._current = (version, expected, expected_base)
-        return res
+        return self.sync.push(model, version, expected, expected_base)
 
     def recover(self) -> None:
-        """Bring the server back (restart ours / wait for theirs) and re-push the current adapter."""
+        """Bring the server back: restart ours, or wait for theirs (up to `wait_s`)."""
         assert self.sync is not None
         if self.server is not None:
             if not self.server.healthy():
@@ -123,10 +120,8 @@ class VLLMBackend:
                         f"the vLLM server at {self.s.url} is not healthy after {self.s.wait_s:.0f} s"
                     )
                 time.sleep(1.0)
+        # Whatever it held is gone (a restart) or suspect: the caller pushes the current adapter again.
         self.sync.forget_server()
-        if self._current is not None:
-            version, expected, expected_base = self._current
-            self.sync.push_dir(self.adapters_dir / f"policy-v{version}", version, expected, expected_base)
 
     def close(self) -> None:
         if self.engine is not None:
