@@ -11,11 +11,13 @@ recording gateway; Pi 0.73.1 in the sandbox with an isolated config home; the ta
    + the bash tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final
    answer): the prompt is ~1.5k tokens with the tiny tokenizer (1626 with both turns), so
    2048-token rows hold the session whole.
-3. `PiCollector` (the GRPO collector) serves the SFT policy's JaxEngine behind the gateway and
-   runs the attempt greedily: Pi issues the bash call, it executes in the sandbox, the verifier
-   passes; the gateway's token-exact trajectory has mask 0 on the prompt and the tool result.
-4. One GRPO update (the trainer's loss and train step) consumes the group {SFT success, untrained
-   failure} and moves the adapters.
+3. `jaxpi grpo`'s loop (`run_grpo`) with `env.name: pi`: the trainer's JaxEngine on the SFT
+   policy, served by `PiCollector` behind the gateway; the attempt runs greedily: Pi issues the
+   bash call, it executes in the sandbox, the verifier passes, the trainer records the attempt and
+   makes its update; the gateway's token-exact trajectory has mask 0 on the prompt and the tool
+   result.
+4. A GRPO update (the trainer's loss and train step) over the group {SFT success, untrained
+   failure} moves the adapters (the trainer's own update above had a group of one: advantage 0).
 
 Pi's tool set is restricted to bash (`--tools bash`): Pi's four default tools make a 3.2k-token
 prompt, which would double the SFT's cost; the prompt is otherwise Pi's own.
@@ -28,6 +30,7 @@ import io
 import json
 import socket
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -348,18 +351,21 @@ def sft_ckpt(workdir, base, untrained):
 
 @pytest.fixture(scope="module")
 def collected(workdir, task, sft_ckpt):
-    """`PiCollector.run` on the SFT policy's engine: (policy, GRPO config, trajectories, records)."""
+    """`jaxpi grpo`'s loop (`run_grpo`, one collection + one update) with `env.name: pi`: the trainer
+    builds its JaxEngine on the SFT policy and hands it to `PiCollector` through its environment
+    registry. The task source is this module's task (the config has no `env.tasks_dir` field yet)."""
     import jax
-    from flax import nnx
 
-    from jaxpi.data.render import RenderConfig, load_tokenizer
+    from jaxpi.configfile import from_dict
+    from jaxpi.data.render import load_tokenizer
+    from jaxpi.gateway import build_samples, split_stats, think_ids
+    from jaxpi.rl import trainer
     from jaxpi.rl.config import GRPOConfig
-    from jaxpi.rl.trainer import load_policy
-    from jaxpi.rollout.jax_engine import JaxEngine
-    from jaxpi.runner.collector import PiCollector, PiEnv
+    from jaxpi.runner.collector import PiCollector, PiEnv, attempt_trajectory, make_pi_env
 
     overrides = {
         "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
+        "env": {"name": "pi"},
         "reward": {"kind": "binary", "levels": [LEVEL]},
         "collect": {
             "tasks": 1,
@@ -372,28 +378,43 @@ def collected(workdir, task, sft_ckpt):
             "row_bucket": 256,
             "engine_batch": 1,
         },
-        "train": {"collections": 1},
+        "train": {"collections": 1, "eval_group": 0, "checkpoint_every": 1},
         "output": {"dir": str(workdir / "grpo"), "tensorboard": False},
     }
-    from jaxpi.configfile import from_dict
-
     cfg = from_dict(GRPOConfig, overrides)
-    pol = load_policy(cfg, workdir / "grpo", jax.random.key(0))
-    engine = JaxEngine(nnx.merge(pol.graphdef, pol.train, pol.rest), max_len=MAX_LEN, batch_size=1)
-    tok = load_tokenizer(pol.tokenizer_dir)
-    env = PiEnv(out_dir=str(workdir / "collect"), runner=runner_cfg())
-    collector = PiCollector(cfg, engine, tok, env, RenderConfig(tokenizer_dir=str(pol.tokenizer_dir)))
+    attempts_dir = workdir / "collect"
+    trainer.env_entry("pi")  # imports jaxpi.runner.grpo, which registers the real factory
+    trainer.register_env("pi", lambda _: (PiEnv(str(attempts_dir), runner_cfg()), [task], []), PiCollector)
     try:
-        trajs = collector.run([task], 1, seed=0)
+        summary = trainer.run_grpo(cfg, progress=False, out=sys.stderr)
     finally:
-        collector.close()
-    return pol, cfg, tok, trajs, collector.records, collector.last_stats
+        trainer.register_env("pi", make_pi_env, PiCollector)
+    pol = trainer.load_policy(cfg, workdir / "grpo", jax.random.key(0))
+    tok = load_tokenizer(pol.tokenizer_dir)
+    recs = []
+    for f in sorted(attempts_dir.glob("collection-*/*/record.json")):
+        d = json.loads(f.read_text())
+        recs.append(AttemptRecord(**{**d, "calls": tuple(d["calls"])}))
+    trajs = [attempt_trajectory(r, r.calls, think_ids(tok)) for r in recs]
+    stats = split_stats([build_samples(r.calls, *think_ids(tok), attempt=r.attempt_id) for r in recs])
+    return types.SimpleNamespace(
+        pol=pol, cfg=cfg, tok=tok, trajs=trajs, recs=recs, stats=stats, summary=summary
+    )
+
+
+@needs_pi
+def test_the_trainer_collected_and_updated_through_env_pi(collected, workdir):
+    last = collected.summary["last"]
+    assert last["attempts"] == 1 and last["admitted"] == 1 and np.isfinite(last["loss"])
+    assert last[f"level/{LEVEL}/pass_rate"] == 1.0
+    lines = [json.loads(x) for x in (workdir / "grpo" / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["task_id"], a["success"], a["admitted"]) for a in lines] == [("hello-file", True, True)]
+    assert collected.summary["checkpoint"].endswith("/1")
 
 
 @needs_pi
 def test_pi_solves_the_task_with_a_real_tool_call(collected):
-    _, _, _, trajs, recs, stats = collected
-    rec, traj = recs[0], trajs[0]
+    rec, traj, stats = collected.recs[0], collected.trajs[0], collected.stats
     detail = Path(rec.events_path).parent
     assert rec.admitted and rec.success, (rec, (detail / "pi_stderr.txt").read_text()[-2000:])
     assert rec.finish == "answer" and rec.turns == 2 and rec.verifier_returncode == 0
@@ -411,8 +432,8 @@ def test_pi_solves_the_task_with_a_real_tool_call(collected):
 
 @needs_pi
 def test_trajectory_masks_exclude_the_prompt_and_tool_results(collected):
-    _, _, tok, trajs, recs, _ = collected
-    t, calls = trajs[0], recs[0].calls
+    tok, recs = collected.tok, collected.recs
+    t, calls = collected.trajs[0], recs[0].calls
     ids, mask, lp = np.array(t.token_ids), np.array(t.mask), np.array(t.logprobs)
     assert len(ids) == len(mask) == len(lp) and t.prompt_len == len(calls[0]["prompt_token_ids"])
     # Sampled tokens are exactly the two completions, in order; everything else is masked out.
@@ -445,7 +466,7 @@ def test_one_grpo_update_consumes_the_attempt(collected, untrained):
     from jaxpi.train.schedule import make_optimizer
     from jaxpi.train.step import make_train_step, split_trainable
 
-    pol, cfg, tok, trajs, _, _ = collected
+    pol, cfg, tok, trajs = collected.pol, collected.cfg, collected.tok, collected.trajs
     # The group: the SFT policy's success and the untrained policy's failure on the same task and level.
     failure = attempt_trajectory(untrained, untrained.calls, think_ids(tok))
     group = [trajs[0], failure]

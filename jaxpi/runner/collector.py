@@ -129,7 +129,7 @@ class PiCollector:
 
         self.cfg, self.engine, self.env = cfg, engine, env
         self.think = think_ids(tokenizer)
-        self.versions: list[int] = []
+        self.versions: list[int | None] = []
         self.last_stats: dict[str, float] = {}
         self.records: list[AttemptRecord] = []
         c = cfg.collect
@@ -179,7 +179,8 @@ class PiCollector:
             merged.append(build_samples(calls, *self.think, attempt=rec.attempt_id))
             out.append(attempt_trajectory(rec, rec.calls, self.think))
         self.last_stats = split_stats(merged)
-        self.versions = [getattr(self.engine, "policy_version", -1)] * len(out)
+        # None: the engine does not track versions (the trainer's JaxEngine is the current policy).
+        self.versions = [getattr(self.engine, "policy_version", None)] * len(out)
         return out
 
     def close(self) -> None:
