@@ -49,9 +49,7 @@ def add_subparser(sub: Any) -> None:
 def cmd_setup(args: argparse.Namespace) -> int:
     from jaxpi.runner.install import pi_setup
 
-    if not args.json:
-        print("installing Pi (npm) ...", file=sys.stderr, flush=True)
-    info = pi_setup(args.prefix, force=args.force)
+    info = pi_setup(args.prefix, force=args.force, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(info, indent=2))
     else:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,11 @@ def find_pi(prefix: str | Path | None = None) -> PiInstall:
     return PiInstall(prefix=p, node=node_path(), version=version)
 
 
-def pi_setup(prefix: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
-    """Install the pinned Pi into `prefix` unless the stamp says it is already there."""
+def pi_setup(
+    prefix: str | Path | None = None, *, force: bool = False, say: Callable[[str], Any] | None = None
+) -> dict[str, Any]:
+    """Install the pinned Pi into `prefix` unless the stamp says it is already there (`say` hears
+    about an install before it starts)."""
     p = Path(prefix).absolute() if prefix is not None else default_prefix()
     node = node_path()
     if node_version(node)[:2] < MIN_NODE:
@@ -97,6 +101,8 @@ def pi_setup(prefix: str | Path | None = None, *, force: bool = False) -> dict[s
     if npm is None:
         raise FileNotFoundError("npm not found: it comes with Node.js (apt-get install npm)")
     p.mkdir(parents=True, exist_ok=True)
+    if say is not None:
+        say(f"installing {PI_PACKAGE}@{PI_VERSION} into {p} (npm) ...")
     # --prefix keeps everything under p; exact version, no lockfile games, no audit/fund network chatter.
     cmd = [npm, "install", "--prefix", str(p), "--no-audit", "--no-fund", "--save-exact"]
     proc = subprocess.run([*cmd, f"{PI_PACKAGE}@{PI_VERSION}"], capture_output=True, text=True)
