@@ -92,6 +92,7 @@ def _eval_one(args: argparse.Namespace, model: str | None, adapter: str | None, 
         model_id=getattr(args, "model_id", None),
         max_len=args.max_len,
         max_new_tokens=args.max_new_tokens,
+        # As many engine rows as attempts in flight: one engine call serves all their turns.
         batch=max(1, args.jobs),
     ) as ep:
         cfg = RunnerConfig(

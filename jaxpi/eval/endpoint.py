@@ -54,8 +54,8 @@ def policy_endpoint(
     cfg = ServeConfig(
         model=model,
         adapter=adapter,
-        served_name="policy",
-        port=0,
+        served_name="policy",  # the name Pi's models.json asks for, whatever the directory is called
+        port=0,  # a free port: several evaluations may run on one machine
         max_batch=batch,
         max_len=max_len,
         max_new_tokens=min(max_new_tokens, max_len - 1),

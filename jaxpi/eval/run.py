@@ -92,6 +92,7 @@ def evaluate(
             f"need tasks, levels and attempts >= 1 (got {len(tasks)}, {list(levels)}, {attempts})"
         )
     out = Path(out_dir)
+    # A time prefix: evaluations sharing one long-lived gateway must not share attempt keys.
     jobs = attempt_jobs(tasks, levels, attempts, prefix=f"ev{int(time.time() * 1000) % 10**9:09d}")
     bar = Progress(len(jobs), progress)
 
@@ -134,6 +135,7 @@ def save_results(results: dict[str, Any], out: Path) -> dict[str, Path]:
         "results": write_atomic(out / RESULTS, json.dumps(results, indent=2)),
         "table": write_atomic(out / "table.txt", results["table_text"] + "\n"),
     }
+    # One summary as both "first" and "last": plot_frontier then draws a single layer of points.
     s = summary(results["records"], results["levels"], results["name"])
     paths["png"] = plot_frontier([(s, s)], out / "frontier.png")
     return paths

@@ -117,6 +117,7 @@ def paired_difference(
     rng = np.random.default_rng(SEED)
     # idx[b, i]: the task drawn i-th in resample b.
     idx = rng.integers(0, len(tasks), size=(n_boot, len(tasks)))
+    # Fixed seed: a rerun prints the same interval, so two reports differ only where the data does.
     boots = d[idx].mean(axis=1)
     lo, hi = np.percentile(boots, [2.5, 97.5])
     per_task = {t: float(x) for t, x in zip(tasks, d, strict=True)}

@@ -120,6 +120,7 @@ def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str, tools: Sequenc
         level,
         "--session-dir",
         f"{_HOME}/sessions",
+        # Discovery off: an attempt sees the task and nothing of the host or of the user's own Pi.
         "--no-extensions",
         "-e",
         _EXTENSION_INSIDE,
@@ -127,6 +128,8 @@ def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str, tools: Sequenc
         "--no-prompt-templates",
         "--no-themes",
         "--no-context-files",
+        # No update check or telemetry at start-up: nothing but the gateway is reachable anyway,
+        # and each failed lookup would cost the attempt seconds.
         "--offline",
         *(["--tools", ",".join(tools)] if tools else []),
         text,
@@ -139,16 +142,18 @@ def _sandbox_config(task: Task, cfg: RunnerConfig, endpoint: tuple[str, int], pi
     return SandboxConfig(
         # RLIMIT_CPU is per process: node's own CPU time over a whole attempt must fit.
         cpu_seconds=max(lim.cpu_seconds, int(wall) + 1),
+        # node + Pi are resident themselves (~200-400 MB); the task's budget is for what the model runs.
         memory_mb=lim.memory_mb + cfg.pi_memory_mb,
         max_procs=lim.max_procs + cfg.pi_procs,
         wall_seconds=wall,
         endpoints=(endpoint,),
         ro_binds=(str(pi.prefix),),
-        tmp_mb=512,
+        tmp_mb=512,  # HOME is /tmp: node and Pi keep caches there
     )
 
 
 def _copy_session(home: Path, out_dir: Path) -> Path | None:
+    # Pi names it <timestamp>_<id>.jsonl under a directory derived from the cwd; one attempt, one session.
     found = sorted((home / "sessions").rglob("*.jsonl"))
     if not found:
         return None
@@ -297,10 +302,12 @@ def _run(
             summary = read_session_summary(session)
         except ValueError as e:
             return reject("malformed_session", str(e))
+    # The gateway's records are the exact sampled ids; the session's usage is only the server's count.
     t_out, t_rsn = _trace_counts(calls)
     turns = summary.turns if summary else len(calls)
     output = t_out if t_out is not None else (summary.output_tokens if summary else 0)
     reasoning = t_rsn or 0
+    # A killed sandbox wins over whatever the session says: it may end mid-attempt yet read fine.
     if res.killed_reason == "wall":
         return reject("timeout", f"Pi ran past {sb.wall_seconds:.0f} s", turns, output, reasoning)
     if res.killed_reason is not None:
@@ -379,6 +386,7 @@ def run_attempts(
             progress(rec)
         return rec
 
+    # Threads suffice: each attempt is a subprocess tree, and run_sandboxed is safe in threaded callers.
     if cfg.jobs == 1 or len(jobs) <= 1:
         return [one(i) for i in range(len(jobs))]
     with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:

@@ -59,6 +59,7 @@ def serve_engine(engine: Any, tokenizer_dir: str | Path, *, max_len: int, max_ne
 
     tok = load_tokenizer(str(tokenizer_dir))
     fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(tokenizer_dir)))
+    # Concurrent attempts' calls are gathered into one engine call (20 ms is short next to a turn).
     batcher = Batcher(engine, max_rows=engine.batch_size, wait_s=0.02)
     service = Service(
         fmt,
@@ -158,6 +159,7 @@ class PiCollector:
     def run(self, tasks: Sequence[Task], group: int, seed: int) -> list[Trajectory]:
         from jaxpi.gateway import build_samples, split_stats
 
+        # Ids are unique across collections: the gateway keys every record by them.
         n = next(self._counter)
         jobs = [
             (t, level, f"c{n:05d}-{i:04d}-{t.id}-{level}")

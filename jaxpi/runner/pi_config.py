@@ -42,7 +42,9 @@ def models_json(
                     "supportsDeveloperRole": False,
                     "supportsStore": False,
                     "supportsReasoningEffort": True,
+                    # The gateway re-streams the usage chunk; Pi's per-turn token counts come from it.
                     "supportsUsageInStreaming": True,
+                    # jaxpi serve and vLLM read both names; max_tokens is the one every server knows.
                     "maxTokensField": "max_tokens",
                 },
                 "models": [
@@ -54,6 +56,7 @@ def models_json(
                         "input": ["text"],
                         "contextWindow": context_window,
                         "maxTokens": max_tokens,
+                        # Zero cost keeps Pi from pricing (and printing) anything.
                         "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
                     }
                 ],

@@ -94,11 +94,13 @@ def read_session_summary(path: Path) -> SessionSummary:
         if not isinstance(e, dict) or "type" not in e:
             raise ValueError(f"{path}:{i}: not an entry object with a 'type'")
         entries.append(e)
+    # Version 3 is the format this reader (and jaxpi.data.sessions) knows; refuse anything else.
     if entries[0]["type"] != "session" or entries[0].get("version") != 3:
         raise ValueError(f"{path}:1: not a Pi v3 session header")
     turns = output = calls = messages = 0
     error = limit = final = last_stop = None
     for e in entries[1:]:
+        # Written by the runner's Pi extension when it aborts the loop at a limit.
         if e["type"] == "custom" and e.get("customType") == "jaxpi.limit":
             limit = (e.get("data") or {}).get("reason")
         if e["type"] != "message" or not isinstance(e.get("message"), dict):
@@ -117,5 +119,6 @@ def read_session_summary(path: Path) -> SessionSummary:
         n_calls = sum(1 for b in blocks if isinstance(b, dict) and b.get("type") == "toolCall")
         calls += n_calls
         text = "".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+        # Only a turn without tool calls is an answer; a later tool turn takes it back.
         final = text if n_calls == 0 else None
     return SessionSummary(turns, output, error, limit, final, calls, messages, last_stop)
