@@ -46,34 +46,6 @@ def load_task_pool(
     return pool, held
 
 
-def serve_engine(engine: Any, tokenizer_dir: str | Path, *, max_len: int, max_new_tokens: int) -> Any:
-    """`jaxpi serve`'s HTTP front on an existing engine (a handle with `.url` and `.close()`)."""
-    from functools import partial
-    from http.server import ThreadingHTTPServer
-
-    from jaxpi.data.render import RenderConfig, load_tokenizer
-    from jaxpi.serve.batcher import Batcher
-    from jaxpi.serve.chat import ChatFormat
-    from jaxpi.serve.server import ServeHandle, ServeHandler
-    from jaxpi.serve.service import Service
-
-    tok = load_tokenizer(str(tokenizer_dir))
-    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(tokenizer_dir)))
-    # Concurrent attempts' calls are gathered into one engine call (20 ms is short next to a turn).
-    batcher = Batcher(engine, max_rows=engine.batch_size, wait_s=0.02)
-    service = Service(
-        fmt,
-        batcher,
-        served="policy",
-        max_len=max_len,
-        max_new_tokens=max_new_tokens,
-        vocab_size=engine.vocab_size,
-    )
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(ServeHandler, service=service))
-    httpd.daemon_threads = True
-    return ServeHandle(httpd, service, {"model": "policy"})
-
-
 def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[int, int]) -> Trajectory:
     """One attempt as GRPO's `Trajectory`: the gateway's merged sample, the runner's verdict."""
     from jaxpi.gateway import build_samples, to_trajectory
@@ -127,6 +99,7 @@ class PiCollector:
     def __init__(self, cfg: Any, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
         from jaxpi.eval.endpoint import gateway_in_front
         from jaxpi.gateway import think_ids
+        from jaxpi.serve import serve_engine
 
         self.cfg, self.engine, self.env = cfg, engine, env
         self.think = think_ids(tokenizer)
@@ -134,8 +107,15 @@ class PiCollector:
         self.last_stats: dict[str, float] = {}
         self.records: list[AttemptRecord] = []
         c = cfg.collect
+        # jaxpi serve's HTTP front on the trainer's own engine. Concurrent attempts' calls are
+        # gathered into one engine call (20 ms is short next to a turn).
         self._server = serve_engine(
-            engine, render_cfg.tokenizer_dir, max_len=c.max_context, max_new_tokens=c.max_new_tokens
+            engine,
+            render_cfg.tokenizer_dir,
+            served="policy",
+            max_len=c.max_context,
+            max_new_tokens=c.max_new_tokens,
+            batch_wait_ms=20.0,
         )
         self._gw_cm = gateway_in_front(self._server.url)
         self._url, self._trace, _ = self._gw_cm.__enter__()
