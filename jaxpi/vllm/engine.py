@@ -9,7 +9,8 @@ sampled:
      "skip_special_tokens": false, "include_stop_str_in_output": true}
 
 * Sessions live client-side: a session is its token list, and each turn resends the whole
-  context (vLLM's prefix cache turns the repeated prefix into a cache hit).
+  context (on CUDA vLLM's prefix cache turns the repeated prefix into a cache hit; the CPU server
+  runs without it, see `server_command`).
 * `logprobs` are the server's sampled-token log-probabilities, which are the RAW model
   distribution only because the server runs with `--logprobs-mode raw_logprobs` (`VLLMServer`
   does). vLLM returns one kind per server, so `sampling_logprobs` (the processed distribution) is
@@ -173,6 +174,21 @@ class VLLMEngine:
     def set_policy(self, model: str, version: int) -> None:
         """Send later requests to the served model (or adapter) `model`, produced by `version`."""
         self.model, self.policy_version = model, int(version)
+
+    def load_adapter(self, path: str, version: int, *, switch: bool = True) -> str:
+        """Load the peft adapter at `path` (on the server's filesystem) as "policy-v{version}",
+        replacing one of that name; with `switch`, later requests use it (the JaxEngine's
+        `update_weights`). Unverified: `jaxpi.vllm.sync.AdapterSync` probes before switching."""
+        name = f"policy-v{version}"
+        try:
+            self.post("/v1/unload_lora_adapter", {"lora_name": name}, expect_json=False)
+        except EngineError as e:
+            if e.kind != "rejected":  # 404 "cannot be found": nothing to replace
+                raise
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, expect_json=False)
+        if switch:
+            self.set_policy(name, version)
+        return name
 
     # ---- the interface ---------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:

@@ -166,11 +166,7 @@ class AdapterSync:
         return parse_prompt_logprobs(plp, ids)
 
     def load(self, version: int, path: Path) -> None:
-        name = adapter_name(version)
-        self.unload(version, quiet=True)
-        self.engine.post(
-            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, expect_json=False
-        )
+        self.engine.load_adapter(str(path), version, switch=False)
         self.loaded.append(version)
 
     def unload(self, version: int, *, quiet: bool = False) -> None:
