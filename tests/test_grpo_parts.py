@@ -119,3 +119,7 @@ def test_config_validation():
         load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["collect.group=0"])
     with pytest.raises(ValueError, match=r"reward\.kind"):
         load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.kind=other"])
+    with pytest.raises(ValueError, match=r"env\.tasks_dir"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["env.name=pi"])
+    pi = load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["env.name=pi", "env.tasks_dir=tasks/basic"])
+    assert pi.env.tasks_dir == "tasks/basic" and pi.env.jobs >= 1

@@ -353,7 +353,8 @@ def sft_ckpt(workdir, base, untrained):
 def collected(workdir, task, sft_ckpt):
     """`jaxpi grpo`'s loop (`run_grpo`, one collection + one update) with `env.name: pi`: the trainer
     builds its JaxEngine on the SFT policy and hands it to `PiCollector` through its environment
-    registry. The task source is this module's task (the config has no `env.tasks_dir` field yet)."""
+    registry. The task pool is this module's task directory; the registry entry is swapped for one
+    whose runner config allows Pi only the bash tool (the short prompt the tiny model was fit on)."""
     import jax
 
     from jaxpi.configfile import from_dict
@@ -365,7 +366,7 @@ def collected(workdir, task, sft_ckpt):
 
     overrides = {
         "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
-        "env": {"name": "pi"},
+        "env": {"name": "pi", "tasks_dir": str(workdir / "tasks")},
         "reward": {"kind": "binary", "levels": [LEVEL]},
         "collect": {
             "tasks": 1,

@@ -41,11 +41,19 @@ class EnvConfig:
     seed: int = 0
     keys_per_task: int = 3
     max_value: int = 100  # values are 0 .. max_value-1 (a small range makes a lucky guess likely)
+    # env.name=pi: task directories (jaxpi.tasks format) and concurrent Pi attempts
+    tasks_dir: str = ""
+    eval_tasks_dir: str = ""  # "" = no held-out evaluation collections
+    jobs: int = 2
 
     def __post_init__(self) -> None:
         errors = []
         if self.name not in ENVS:
             errors.append(f"env.name must be one of {list(ENVS)}, got {self.name!r}")
+        if self.name == "pi" and not self.tasks_dir:
+            errors.append("env.name=pi needs env.tasks_dir (a directory of tasks, e.g. tasks/basic)")
+        if self.jobs < 1:
+            errors.append(f"env.jobs must be >= 1, got {self.jobs}")
         if self.train_tasks < 1 or self.eval_tasks < 0:
             errors.append(
                 f"env.train_tasks must be >= 1 and env.eval_tasks >= 0, got {self.train_tasks}, {self.eval_tasks}"
