@@ -667,6 +667,8 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         attempts_file.close()
         log.close()
         store.close()
+        if hasattr(collector, "close"):  # collectors with servers of their own (env.name=pi)
+            collector.close()
         if backend is not None:
             backend.close()
     final = store.latest_step()
