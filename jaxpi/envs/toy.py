@@ -3,7 +3,7 @@
 Each task hides a short table of keys -> numbers. The model sees only the key it must resolve,
 calls `get(key)` to read the value, and answers with the number:
 
-    user:      "Value of ka?"
+    user:      "Value of (ka)?"
     assistant: <tool_call> get(key="ka") </tool_call>
     user:      <tool_response> 37 </tool_response>
     assistant: "37"                          -> verify: the answer's last integer == 37
@@ -56,7 +56,10 @@ def make_tasks(n: int, seed: int, *, keys_per_task: int = 3, max_value: int = 10
         tasks.append(
             Task(
                 task_id=f"lookup-{seed}-{i}",
-                instruction=f"Value of {target}?",
+                # In parentheses the key is the same tokens as in the call and the reasoning
+                # ("(", "k", "a", ")"); after a space the tiny tokenizer merges its first letter
+                # ("Ġk"), and a tiny model then never learned to copy it.
+                instruction=f"Value of ({target})?",
                 tools=TOY_TOOLS,
                 system=TOY_SYSTEM,
                 payload={"table": dict(zip(keys, values, strict=True)), "target": target},

@@ -40,6 +40,7 @@ from jaxpi.train.schedule import OptimConfig
 
 TINY_RANDOM = "tiny-random"
 TOY_RANDOM = "toy-random"  # tiny-random reshaped so a LoRA can learn the toy environment (make_toy_base)
+TOY_COPY = "toy-copy"  # toy-random pre-trained (all weights) to copy in the toy environment (make_copy_base)
 DEMO_SESSIONS = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "sessions")
 TINY_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer")
 
@@ -294,7 +295,7 @@ def _jsonable(obj: Any) -> Any:
 def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
     """The base checkpoint directory; "tiny-random" / "toy-random" write `<run dir>/base` once (a
     temporary directory renamed into place, so a killed start never leaves a half-written base)."""
-    if cfg.model.base not in (TINY_RANDOM, TOY_RANDOM):
+    if cfg.model.base not in (TINY_RANDOM, TOY_RANDOM, TOY_COPY):
         base = Path(cfg.model.base).absolute()
         if not (base / "config.json").exists():
             raise FileNotFoundError(f"model.base {base} has no config.json (expected an HF checkpoint dir)")
@@ -302,6 +303,18 @@ def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
     base = run_dir / "base"
     if (base / "config.json").exists():
         return base
+    if cfg.model.base == TOY_COPY:
+        from jaxpi.envs.toy_sft import CopyPretrainConfig, make_copy_base
+
+        values = cfg.data.toy_max_value if hasattr(cfg, "data") else cfg.env.max_value  # SFT or GRPO
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        return make_copy_base(
+            base,
+            seed=cfg.train.seed,
+            layers=cfg.model.tiny_layers,
+            cfg=CopyPretrainConfig(max_value=values),
+            say=say,
+        )
     if cfg.model.base == TOY_RANDOM:
         from jaxpi.envs.toy_sft import make_toy_base
 
