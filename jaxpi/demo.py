@@ -7,7 +7,7 @@
                 jaxpi's with the same adapter, on a held-out demo session
     5. grpo     the toy-scale effort-ordered GRPO result (`jaxpi.rl.toy_result`): SFT that breaks
                 cost ordering, then effort-ordered vs binary GRPO from it, and their table
-                (a few updates; `--full` runs the whole comparison)
+                (two updates each; `--full` runs the whole comparison, configs/grpo/toy.yaml)
 
 Each stage is skipped when its output already exists, so a rerun picks up where it stopped.
 """

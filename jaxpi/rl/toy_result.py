@@ -3,7 +3,7 @@ against the binary-reward baseline from the same start and seeds.
 
     1. sft       configs/sft/toy.yaml: scripted LookupEnv sessions in which low effort reasons
                  longer than medium (jaxpi.envs.toy_sft), so the tiny model learns T_L/T_M > 1
-    2. grpo      configs/grpo/tiny.yaml from that adapter, reward.kind=effort_ordered
+    2. grpo      configs/grpo/toy.yaml from that adapter, reward.kind=effort_ordered
     3. baseline  the same run with reward.kind=binary (plain GRPO)
     4. table     `jaxpi report` of both: the held-out evaluation before the first update ("start")
                  and after the last, per level pass rate [95% Wilson] and mean reasoning tokens,
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GRPO_CONFIG = CONFIGS / "grpo" / "toy.yaml"
 
 # (SFT overrides, GRPO overrides) of the two sizes.
 SHORT: tuple[tuple[str, ...], tuple[str, ...]] = (
@@ -68,8 +69,8 @@ def run_comparison(
             f"output.dir={run_dir}",
             f"output.name={name}",
         ]
-        say(f"{name:<20} jaxpi grpo --config configs/grpo/tiny.yaml {' '.join(args)}")
-        run_grpo(load_config(GRPOConfig, CONFIGS / "grpo" / "tiny.yaml", args), progress=progress, out=out)
+        say(f"{name:<20} jaxpi grpo --config configs/grpo/toy.yaml {' '.join(args)}")
+        run_grpo(load_config(GRPOConfig, GRPO_CONFIG, args), progress=progress, out=out)
         runs.append(run_dir)
 
     report = build_report(runs, out=root / "report")
