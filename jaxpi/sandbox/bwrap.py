@@ -89,13 +89,15 @@ def bwrap_argv(
     args += ["--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox"]
     args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     args += system_binds()
+    # The private /tmp comes before the binds: a bound path under /tmp (a checkout or a toolchain
+    # living there) is then mounted on top of the tmpfs instead of being hidden by it.
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     for path in cfg.ro_binds:
         args += ["--ro-bind", path, path]
     for inside, host in (mounts or {}).items():
         args += ["--ro-bind", str(host), inside]
     for inside, host in (rw_mounts or {}).items():
         args += ["--bind", str(host), inside]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     args += ["--bind-fd", str(fds["workspace"]), cfg.workspace_mount, "--chdir", cfg.workspace_mount]
     inner = nproc_argv(cfg)
     if relay_args:
