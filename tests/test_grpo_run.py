@@ -1,7 +1,9 @@
-"""`jaxpi grpo` end to end on the toy environment, as a user runs it: the toy SFT
-(configs/sft/toy.yaml at 150 steps, ~80 s; so the policy answers in the right format and groups hold both outcomes), then GRPO
+"""`jaxpi grpo` end to end on the toy environment, as a user runs it: a short toy SFT
+(configs/sft/toy.yaml on the "toy-random" base, without the copy pre-training, values 0-1: the
+policy answers in the right format often enough that some groups hold both outcomes), then GRPO
 runs in subprocesses — uninterrupted, SIGKILLed and resumed (must repeat the uninterrupted run
-exactly), resumed with a changed reward (refused) — and `jaxpi report` on the result.
+exactly), resumed with a changed reward (refused) — and `jaxpi report` on the result. These check
+the machinery, not learning (the toy-scale result is `make demo-full`).
 """
 
 import json
@@ -22,6 +24,7 @@ from jaxpi.train.sft import SFTConfig, run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIONS = 3
+SFT_STEPS = 300
 # A collection: 2 tasks x 3 levels x 2 attempts; rows padded to one length (one update program).
 SMALL = [
     "collect.tasks=2",
@@ -42,7 +45,15 @@ def sft_dir(tmp_path_factory):
     cfg = load_config(
         SFTConfig,
         ROOT / "configs" / "sft" / "toy.yaml",
-        [f"output.dir={out}", "train.steps=150", "output.tensorboard=false"],
+        [
+            f"output.dir={out}",
+            "model.base=toy-random",
+            "data.toy_max_value=2",
+            f"train.steps={SFT_STEPS}",
+            "train.eval_every=0",
+            f"train.checkpoint_every={SFT_STEPS}",
+            "output.tensorboard=false",
+        ],
     )
     run_sft(cfg, progress=False, out=sys.stderr)
     return out
