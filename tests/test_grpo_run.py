@@ -86,12 +86,43 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def kill_after(proc: subprocess.Popen, metrics: Path, updates: int, timeout: float = 900) -> None:
+    """SIGKILL `proc` once `metrics` holds `updates` records (a checkpoint was saved after each)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len([x for x in metrics.read_text().splitlines() if x.strip()]) >= updates:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
-def straight(sft_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo") / "straight"
-    proc = subprocess.run(command(sft_dir, out), env=environ(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(proc.stdout)
+def runs(sft_dir, tmp_path_factory):
+    """The uninterrupted run and the run to be killed, started together (two processes use the
+    two cores better than one run after the other); the killed one is SIGKILLed after 2 updates."""
+    root = tmp_path_factory.mktemp("grpo")
+    straight_out, killed_out = root / "straight", root / "killed"
+    log = (root / "straight.stderr").open("w")
+    p_straight = subprocess.Popen(
+        command(sft_dir, straight_out), env=environ(), stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    p_killed = subprocess.Popen(
+        command(sft_dir, killed_out), env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    kill_after(p_killed, killed_out / "metrics.jsonl", 2)
+    stdout, _ = p_straight.communicate(timeout=900)
+    log.close()
+    assert p_straight.returncode == 0, (root / "straight.stderr").read_text()[-3000:]
+    return {
+        "straight": (straight_out, json.loads(stdout)),
+        "killed": (killed_out, p_killed.returncode),
+    }
+
+
+@pytest.fixture(scope="module")
+def straight(runs):
+    return runs["straight"]
 
 
 def test_uninterrupted_run(straight, sft_dir):
@@ -135,21 +166,10 @@ def test_uninterrupted_run(straight, sft_dir):
     assert max(moved) > 1e-4
 
 
-def test_resume_after_sigkill_is_exact(straight, sft_dir, tmp_path):
-    out_straight, _ = straight
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(sft_dir, out), env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len([x for x in metrics.read_text().splitlines() if x.strip()]) >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.2)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+def test_resume_after_sigkill_is_exact(runs, sft_dir):
+    out_straight, _ = runs["straight"]
+    out, returncode = runs["killed"]
+    assert returncode == -signal.SIGKILL, "the run finished before it could be killed"
     resumed = subprocess.run(
         command(sft_dir, out), env=environ(), capture_output=True, text=True, timeout=900
     )

@@ -412,18 +412,22 @@ FAST = [
     ("tp", "data=4,tensor=2"),
     ("fsdp_tp", "data=2,fsdp=2,tensor=2"),
 ]
+# A second mesh shape per strategy: `make test-slow` (each case compiles a sharded step, ~20 s).
 SLOW = [
-    ("dp", "data=4,fsdp=2"),
-    ("fsdp", "fsdp=8"),
-    ("tp", "data=2,tensor=4"),
-    ("fsdp_tp", "fsdp=4,tensor=2"),
+    pytest.param(name, spec, marks=pytest.mark.slow)
+    for name, spec in [
+        ("dp", "data=4,fsdp=2"),
+        ("fsdp", "fsdp=8"),
+        ("tp", "data=2,tensor=4"),
+        ("fsdp_tp", "fsdp=4,tensor=2"),
+    ]
 ]
 
 
 @needs_8
 @pytest.mark.parametrize(
     ("name", "spec"),
-    FAST + SLOW,  # every strategy on two mesh shapes, in `make test`
+    FAST + SLOW,  # every strategy on one mesh shape with two axes or more in `make test`
 )
 def test_sharded_step_equals_one_device(reference, name, spec):
     strategy, mesh = get_strategy(name), make_mesh(spec)
