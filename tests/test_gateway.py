@@ -17,6 +17,7 @@ from http.server import ThreadingHTTPServer
 import httpx
 import openai
 import pytest
+from test_agent_loop import spans  # the supervised runs of a mask, as the agent-loop tests read them
 
 from jaxpi import TINY
 from jaxpi.data.render import load_tokenizer
@@ -94,17 +95,6 @@ def ask(stack, c, messages, stream):
     for tc in msg["tool_calls"]:
         tc.pop("index", None)
     return msg, finish
-
-
-def spans(mask):
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 @pytest.mark.parametrize("stream", [False, True])
