@@ -5,6 +5,7 @@ Upstream is a tiny checkpoint whose head replays a scripted tool conversation
 (`jaxpi.serve.scripted`), so a real two-call agent exchange happens at temperature 0.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -226,9 +227,12 @@ class _Stub(JsonHandler):
         self.read_json()
         if self.mode == "slow":
             time.sleep(1.5)
-        self.send_json(
-            200, {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
-        )
+        # The gateway gave up on a slow reply and closed the connection: nothing left to answer.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.send_json(
+                200,
+                {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
+            )
 
 
 def _stub(mode):
