@@ -375,6 +375,10 @@ KILL_RUN_EXTRA = [
     "collect.request_retries=1",
     "collect.collection_retries=1",
     "collect.retry_wait_s=2",
+    # The tiny random model earns no reward, so the GRPO gradient is zero; decoupled weight decay
+    # (AdamW: p -= lr·wd·p, here p *= 0.5) still makes update 1 change the adapter, so policy-v1's
+    # probe fails if the sync serves anything but the updated weights.
+    "optim.weight_decay=25.0",
 ]
 
 
@@ -427,7 +431,8 @@ def test_grpo_through_vllm_then_server_killed_mid_collection(killed_run, model_d
     checkpoint 1 is intact and equals what was served.
 
     The tiny random model earns no reward, so the update's gradient is zero (no group has signal);
-    the probe is exercised by the non-zero starting adapter."""
+    weight decay halves the adapter instead, so the v1 probe checks that the updated weights are
+    the ones served."""
     out, returncode, stderr, _ = killed_run
     (m,) = lines(out / "metrics.jsonl")
     assert m["step"] == 1 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and m["attempts"] == 12
@@ -451,6 +456,10 @@ def test_grpo_through_vllm_then_server_killed_mid_collection(killed_run, model_d
     _same_adapter(
         adapter_arrays(out / "vllm_adapters" / "policy-v1", model_dir), adapter_arrays(out, model_dir)
     )
+    # Update 1 moved the adapter (halved it), and the served v1 matched that, not v0.
+    mass = lambda arrays: sum(float(np.abs(x).sum()) for x in arrays)  # noqa: E731
+    start = mass(adapter_arrays(out / "vllm_adapters" / "policy-v0", model_dir))
+    assert mass(adapter_arrays(out, model_dir)) < 0.6 * start
 
 
 @pytest.mark.slow
