@@ -31,11 +31,15 @@ demo: $(STAMP)
 demo-full: $(STAMP)
 	$(BIN)/jaxpi demo --full --out demo_full_out
 
+# Test files run in JOBS worker processes (pytest-xdist), one file per worker at a time, so
+# module-scoped fixtures are built once; most of the suite is single-threaded XLA compiles and
+# waits on servers and subprocesses. JOBS=0 runs everything in this process.
+JOBS ?= 2
 test: $(STAMP) system-deps pi
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -q -n $(JOBS) --dist loadfile
 
 test-slow: $(STAMP)
-	$(BIN)/pytest -m slow -q
+	$(BIN)/pytest -m slow -q -n $(JOBS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxpi sharding tests tools
