@@ -38,6 +38,8 @@ state untouched, so the final state is the state after the last real token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,23 +244,28 @@ def _chunk_scan(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[jax.Ar
     return jax.lax.scan(step, state, chunks)
 
 
-def chunk_gated_delta_rule(
+ChunkScan = Callable[[tuple[jax.Array, ...], jax.Array], tuple[jax.Array, jax.Array]]
+IMPLS = ("jax", "pallas")
+
+
+def chunked_gated_delta_rule_with(
+    scan: ChunkScan,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     g: jax.Array,
     beta: jax.Array,
     *,
-    chunk_size: int = 64,
-    initial_state: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    use_qk_l2norm: bool = True,
+    chunk_size: int,
+    initial_state: jax.Array | None,
+    segment_ids: jax.Array | None,
+    use_qk_l2norm: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over a sequence, chunk by chunk (see the module docstring).
+    """The chunked form with the sequential part supplied: `scan(chunks, state) -> (state, out)`.
 
-    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None
-    (zeros); segment_ids [B, T] ints or None. Any T: padded inside to a multiple of chunk_size.
-    Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
+    `chunks` are `_intra_chunk`'s outputs (U, W, ρe^γ⊙Q, P, ε e^{γ_{C-1}−γ}⊙K, ρ_{C-1} e^{γ_{C-1}},
+    each [N, B, H, ...]); `out` is [N, B, H, C, Dv]. `_chunk_scan` is the plain-JAX scan; the Pallas
+    kernel (`jaxpi.kernels.pallas_gdn`) replaces only this part, so both share every other op.
     """
     batch, length, num_v_heads, _ = v.shape
     with jax.named_scope("l2norm_and_scale"):
@@ -277,7 +284,44 @@ def chunk_gated_delta_rule(
         jnp.moveaxis(resets.reshape(batch, -1, chunk_size), 1, 0),  # [B, N·C] -> [N, B, C]
     )
     with jax.named_scope("chunk_scan"):
-        state, out = _chunk_scan(chunks, state)
+        state, out = scan(chunks, state)
     # [N, B, H, C, V] -> [B, N, C, H, V] -> [B, N·C, H, V]
     out = jnp.moveaxis(out, (0, 3), (1, 2)).reshape(batch, -1, num_v_heads, out.shape[-1])
     return out[:, :length].astype(v.dtype), state
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    chunk_size: int = 64,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    use_qk_l2norm: bool = True,
+    impl: str = "jax",
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over a sequence, chunk by chunk (see the module docstring).
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None
+    (zeros); segment_ids [B, T] ints or None. Any T: padded inside to a multiple of chunk_size.
+    impl: "jax" (plain JAX, the reference and the CPU path) or "pallas" (the chunk recurrence as
+    a Pallas kernel, `jaxpi.kernels.pallas_gdn`: compiled on GPU/TPU, interpreted on CPU).
+    Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
+    """
+    kwargs = dict(
+        chunk_size=chunk_size,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    if impl == "jax":
+        return chunked_gated_delta_rule_with(_chunk_scan, q, k, v, g, beta, **kwargs)
+    if impl == "pallas":
+        # imported here: the Pallas module builds on this one
+        from jaxpi.kernels.pallas_gdn import pallas_chunk_gated_delta_rule
+
+        return pallas_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
