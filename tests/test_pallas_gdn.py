@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools
+import math
 import re
 
 import jax
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from jaxpi.bench.config import make_config
+from jaxpi.bench.gdn import gdn_bench
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule
 from jaxpi.kernels.pallas_gdn import KernelOptions, pallas_chunk_gated_delta_rule
 
@@ -141,20 +144,30 @@ def test_pallas_matches_plain_jax_and_float64(name: str):
         )
 
 
-def test_impl_dispatch_forward_only():
-    """impl="pallas" routes to the kernel (forward without a backward: no boundary states kept)."""
-    args, segment_ids, kw = make_case("gqa_segments_state")
+def test_bench_gdn_pallas_times_both_paths():
+    """`gdn_bench(impl="pallas")` goes through `chunk_gated_delta_rule(impl="pallas")` (forward alone,
+    which keeps no boundary states, and forward + backward) and times the plain-JAX path beside it."""
+    bench = make_config("tiny", seq=40, repeats=1, warmup=1)  # 40: a partial last chunk of 16
+    res = gdn_bench(bench, vs_torch=False, impl="pallas")
+    assert res["impl"] == "pallas" and res["interpreted"] is True
+    for side in ("jaxpi", "plain_jax"):
+        for fig in ("fwd_s", "fwd_bwd_s", "fwd_flop_per_s", "fwd_bwd_flop_per_s"):
+            assert res[side][fig]["median"] > 0 and math.isfinite(res[side][fig]["median"]), (side, fig)
+    for part in ("fwd", "fwd_bwd"):
+        expected = res["plain_jax"][f"{part}_s"]["median"] / res["jaxpi"][f"{part}_s"]["median"]
+        assert res[f"speedup_pallas_{part}"] == pytest.approx(expected)
+    # same inputs, both fp32, outputs of order 1: the two paths compute the same thing
+    assert res["max_abs_diff_pallas_vs_plain"] < 1e-5
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gdn_bench(bench, vs_torch=False, impl="triton")
 
-    def call(impl: str) -> tuple[jax.Array, jax.Array]:
-        fn = jax.jit(functools.partial(chunk_gated_delta_rule, chunk_size=kw["chunk_size"], impl=impl))
-        return fn(*args[:5], initial_state=args[5], segment_ids=segment_ids)
 
-    (out_p, state_p), (out_j, state_j) = call("pallas"), call("jax")
-    assert rel_err(out_p, out_j) <= FWD_TOL and rel_err(state_p, state_j) <= FWD_TOL
+def test_bad_arguments_are_refused():
+    args = make_case("gqa_segments_state")[0]
+    # checked while tracing: eval_shape runs nothing
     with pytest.raises(ValueError, match="impl must be one of"):
         jax.eval_shape(functools.partial(chunk_gated_delta_rule, impl="triton"), *args[:5])
     with pytest.raises(ValueError, match=r"block_v \(24\) must divide the value head dim \(32\)"):
-        # checked while tracing: eval_shape runs nothing
         jax.eval_shape(functools.partial(pallas_chunk_gated_delta_rule, chunk_size=16, block_v=24), *args[:5])
     with pytest.raises(ValueError, match="block_v must be >= 1"):
         KernelOptions(block_v=0)

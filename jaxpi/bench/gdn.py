@@ -5,6 +5,11 @@ g = −softplus(N(0, 1)) and β = sigmoid(N(0, 1)) in float32, the in-kernel L2 
 one key head per value head (so neither side repeats heads). Forward is timed without keeping
 anything for a backward pass (torch under `no_grad`); forward + backward differentiates
 Σ output with respect to all five inputs.
+
+`impl` picks jaxpi's kernel: "jax" (plain JAX) or "pallas" (the chunk recurrence as Pallas kernels).
+With "pallas" the plain-JAX path is timed too, in the same run on the same inputs, so the report
+holds the kernel's speed-up over it. On CPU Pallas runs in its interpreter: those times check that
+the path runs and say nothing about the kernel's speed (the report marks them `interpreted`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 from jaxpi.bench.config import BenchConfig
 from jaxpi.bench.flops import deltanet_core_flops
 from jaxpi.bench.timing import figure, rate, ratio, timed
-from jaxpi.kernels.gated_delta import chunk_gated_delta_rule
+from jaxpi.kernels.gated_delta import IMPLS, chunk_gated_delta_rule
 
 
 def gdn_inputs(bench: BenchConfig) -> dict[str, np.ndarray]:
@@ -36,12 +41,14 @@ def gdn_inputs(bench: BenchConfig) -> dict[str, np.ndarray]:
     }
 
 
-def jax_gdn(bench: BenchConfig, x: dict[str, np.ndarray]) -> tuple[dict[str, Any], np.ndarray]:
+def jax_gdn(
+    bench: BenchConfig, x: dict[str, np.ndarray], impl: str = "jax"
+) -> tuple[dict[str, Any], np.ndarray]:
     c, dt = bench.model.gdn_chunk_size, jnp.dtype(bench.dtype)
     args = [jnp.asarray(x[n], dt) for n in ("q", "k", "v")] + [jnp.asarray(x[n]) for n in ("g", "beta")]
 
     def out(*a: jax.Array) -> jax.Array:
-        return chunk_gated_delta_rule(*a, chunk_size=c)[0]
+        return chunk_gated_delta_rule(*a, chunk_size=c, impl=impl)[0]
 
     fwd = jax.jit(out)
     fwd_bwd = jax.jit(jax.grad(lambda *a: jnp.sum(out(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)))
@@ -78,8 +85,21 @@ def torch_gdn(bench: BenchConfig, x: dict[str, np.ndarray]) -> tuple[dict[str, A
     return {"fwd_s": figure(t_f), "fwd_bwd_s": figure(t_b)}, fwd().float().numpy()
 
 
-def gdn_bench(bench: BenchConfig, *, vs_torch: bool = True) -> dict[str, Any]:
-    """Both kernels' times, FLOP/s, the torch/jaxpi time ratios and the outputs' largest difference."""
+def _with_rates(res: dict[str, Any], out: np.ndarray, flops: float) -> tuple[dict[str, Any], np.ndarray]:
+    """Model FLOP/s from the times (the backward counted as twice the forward)."""
+    res["fwd_flop_per_s"] = rate(flops, res["fwd_s"]["values"])
+    res["fwd_bwd_flop_per_s"] = rate(3 * flops, res["fwd_bwd_s"]["values"])
+    return res, out
+
+
+def gdn_bench(bench: BenchConfig, *, vs_torch: bool = True, impl: str = "jax") -> dict[str, Any]:
+    """Both kernels' times, FLOP/s, the torch/jaxpi time ratios and the outputs' largest difference.
+
+    impl "pallas": "jaxpi" holds the Pallas path's figures and "plain_jax" the plain-JAX path's,
+    with `speedup_pallas_*` = plain-JAX time / Pallas time (> 1: the kernel is faster).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     m = bench.model
     x = gdn_inputs(bench)
     flops = deltanet_core_flops(
@@ -89,10 +109,11 @@ def gdn_bench(bench: BenchConfig, *, vs_torch: bool = True) -> dict[str, Any]:
         m.linear_value_head_dim,
         m.gdn_chunk_size,
     )
-    jres, jout = jax_gdn(bench, x)
-    jres["fwd_flop_per_s"] = rate(flops, jres["fwd_s"]["values"])
-    jres["fwd_bwd_flop_per_s"] = rate(3 * flops, jres["fwd_bwd_s"]["values"])
+    jres, jout = _with_rates(*jax_gdn(bench, x, impl), flops)
     res: dict[str, Any] = {
+        "impl": impl,
+        # Pallas off GPU/TPU runs in its interpreter: a correctness path, not a speed
+        "interpreted": impl == "pallas" and jax.default_backend() == "cpu",
         "shape": {
             "batch": bench.batch,
             "seq": bench.seq,
@@ -104,6 +125,12 @@ def gdn_bench(bench: BenchConfig, *, vs_torch: bool = True) -> dict[str, Any]:
         "flops_fwd": flops,
         "jaxpi": jres,
     }
+    if impl == "pallas":
+        pres, pout = _with_rates(*jax_gdn(bench, x, "jax"), flops)
+        res["plain_jax"] = pres
+        res["speedup_pallas_fwd"] = ratio(pres["fwd_s"], jres["fwd_s"])
+        res["speedup_pallas_fwd_bwd"] = ratio(pres["fwd_bwd_s"], jres["fwd_bwd_s"])
+        res["max_abs_diff_pallas_vs_plain"] = float(np.max(np.abs(jout - pout)))
     if vs_torch:
         tres, tout = torch_gdn(bench, x)
         res["torch"] = tres
