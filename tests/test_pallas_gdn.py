@@ -171,6 +171,8 @@ def test_bad_arguments_are_refused():
         jax.eval_shape(functools.partial(pallas_chunk_gated_delta_rule, chunk_size=16, block_v=24), *args[:5])
     with pytest.raises(ValueError, match="block_v must be >= 1"):
         KernelOptions(block_v=0)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        KernelOptions(precision="bf16")
 
 
 # What each platform's lowering must contain: the custom call and both kernels by name.
@@ -195,20 +197,28 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
         spec((b, t), jnp.int32),
     ]
 
-    def step(*xs):
-        def loss(*ys):
-            out, state = pallas_chunk_gated_delta_rule(*ys[:5], initial_state=ys[5], segment_ids=xs[6])
-            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
+    def lowered(precision: str) -> str:
+        def step(*xs):
+            def loss(*ys):
+                out, state = pallas_chunk_gated_delta_rule(
+                    *ys[:5], initial_state=ys[5], segment_ids=xs[6], precision=precision
+                )
+                return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
-        return jax.value_and_grad(loss, argnums=tuple(range(6)))(*xs[:6])
+            return jax.value_and_grad(loss, argnums=tuple(range(6)))(*xs[:6])
+
+        # Triton calls carry no serialisation-compatibility promise; the check is only for stored exports
+        unchecked = [jax.export.DisabledSafetyCheck.custom_call(target)]
+        return jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=unchecked)(
+            *shapes
+        ).mlir_module()
 
     target, kernel_name = LOWERED[platform]
-    # Triton calls carry no serialisation-compatibility promise; the check is only for stored exports
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call(target)]
-    text = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=unchecked)(
-        *shapes
-    ).mlir_module()
+    text = lowered("highest")
     assert re.findall(r"custom_call @([\w$.]+)", text).count(target) == 2
     assert sorted(m.group(1) for m in re.finditer(kernel_name, text)) == ["backward", "forward"]
-    if platform == "cuda":  # grid (batch, value heads, Dv / block_v) with block_v 32
+    if platform == "cuda":
+        # grid (batch, value heads, Dv / block_v) with block_v 32
         assert text.count("grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 4 : i32") == 2
+        # the precision reaches the Triton dots (IEEE fp32 vs TF32 lowers to a different kernel)
+        assert lowered("tf32") != text

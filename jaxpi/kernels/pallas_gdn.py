@@ -51,8 +51,9 @@ from jax.experimental.pallas import triton as plt
 
 from jaxpi.kernels.gated_delta import chunked_gated_delta_rule_with
 
-# float32 products everywhere: Triton would otherwise use TF32 (10-bit mantissa) for fp32 dots
-_PRECISION = jax.lax.Precision.HIGHEST
+# "highest": IEEE float32 products (the parity setting); "tf32": Triton's TF32 tensor-core dots
+# (10-bit mantissa), what XLA may pick for the plain-JAX path's fp32 dots on NVIDIA GPUs
+_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
 _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 
 
@@ -60,10 +61,13 @@ _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 class KernelOptions:
     """How the kernels run. `block_v`: Dv columns per program (None: min(Dv, 32)), a divisor of Dv;
     on GPU a power of two ≥ 16 (Triton's tile rule). `interpret`: None = interpret on CPU only.
-    `num_warps` / `num_stages`: Triton launch parameters (not tuned on hardware yet)."""
+    `precision`: "highest" or "tf32" for the in-kernel fp32 matmuls on GPU (the interpreter and
+    Mosaic compute fp32 either way). `num_warps` / `num_stages`: Triton launch parameters (not tuned
+    on hardware yet)."""
 
     block_v: int | None = None
     interpret: bool | None = None
+    precision: str = "highest"
     num_warps: int = 4
     num_stages: int = 2
 
@@ -85,48 +89,52 @@ class KernelOptions:
         return block
 
 
-def _mm(a: jax.Array, b: jax.Array, form: str = "nn") -> jax.Array:
+def _mm(a: jax.Array, b: jax.Array, form: str, precision: jax.lax.Precision) -> jax.Array:
     """2-D matmul, float32 accumulation: "nn" a·b, "tn" aᵀ·b, "nt" a·bᵀ (the forms Triton's dot takes)."""
     return jax.lax.dot_general(
-        a, b, (_CONTRACT[form], ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
+        a, b, (_CONTRACT[form], ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
 
 
 # ---- kernels (refs are one (batch, head, Dv-block) program's view; chunk index n leads) ----------
 
 
-def _forward_kernel(u_ref, w_ref, qr_ref, p_ref, kw_ref, d_ref, s0_ref, out_ref, final_ref, *states_ref):
+def _forward_kernel(
+    u_ref, w_ref, qr_ref, p_ref, kw_ref, d_ref, s0_ref, out_ref, final_ref, *states_ref, precision
+):  # fmt: skip
     """u [N,C,bv], w/qr/kw [N,C,K], p [N,C,C], d [N,K], s0 [K,bv] -> out [N,C,bv], final [K,bv] (+ states [N,K,bv])."""
+    mm = functools.partial(_mm, precision=precision)
 
     def chunk(n: jax.Array, s: jax.Array) -> jax.Array:
         if states_ref:
             states_ref[0][n] = s
-        delta = u_ref[n] - _mm(w_ref[n], s)  # [C, bv]
-        out_ref[n] = _mm(qr_ref[n], s) + _mm(p_ref[n], delta)
-        return d_ref[n][:, None] * s + _mm(kw_ref[n], delta, "tn")
+        delta = u_ref[n] - mm(w_ref[n], s, "nn")  # [C, bv]
+        out_ref[n] = mm(qr_ref[n], s, "nn") + mm(p_ref[n], delta, "nn")
+        return d_ref[n][:, None] * s + mm(kw_ref[n], delta, "tn")
 
     final_ref[...] = jax.lax.fori_loop(0, u_ref.shape[0], chunk, s0_ref[...])
 
 
 def _backward_kernel(
     u_ref, w_ref, qr_ref, p_ref, kw_ref, d_ref, states_ref, dout_ref, dfinal_ref,
-    du_ref, dw_ref, dqr_ref, dp_ref, dkw_ref, dd_ref, ds0_ref,
+    du_ref, dw_ref, dqr_ref, dp_ref, dkw_ref, dd_ref, ds0_ref, *, precision,
 ):  # fmt: skip
     """Reverse chunk loop carrying dS [K,bv]; the d{w,qr,p,kw,d} outputs are this Dv block's partial sums."""
     num_chunks = u_ref.shape[0]
+    mm = functools.partial(_mm, precision=precision)
 
     def chunk(i: jax.Array, ds: jax.Array) -> jax.Array:
         n = num_chunks - 1 - i
         s, w, qr, kw, dout = states_ref[n], w_ref[n], qr_ref[n], kw_ref[n], dout_ref[n]
-        delta = u_ref[n] - _mm(w, s)  # recomputed, not saved
-        ddelta = _mm(p_ref[n], dout, "tn") + _mm(kw, ds)  # [C, bv]
+        delta = u_ref[n] - mm(w, s, "nn")  # recomputed, not saved
+        ddelta = mm(p_ref[n], dout, "tn") + mm(kw, ds, "nn")  # [C, bv]
         du_ref[n] = ddelta
-        dw_ref[n] = -_mm(ddelta, s, "nt")
-        dqr_ref[n] = _mm(dout, s, "nt")
-        dp_ref[n] = _mm(dout, delta, "nt")
-        dkw_ref[n] = _mm(delta, ds, "nt")
+        dw_ref[n] = -mm(ddelta, s, "nt")
+        dqr_ref[n] = mm(dout, s, "nt")
+        dp_ref[n] = mm(dout, delta, "nt")
+        dkw_ref[n] = mm(delta, ds, "nt")
         dd_ref[n] = jnp.sum(s * ds, axis=1)
-        return d_ref[n][:, None] * ds + _mm(qr, dout, "tn") - _mm(w, ddelta, "tn")
+        return d_ref[n][:, None] * ds + mm(qr, dout, "tn") - mm(w, ddelta, "tn")
 
     ds0_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, dfinal_ref[...])
 
@@ -165,7 +173,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, opts: KernelOptions, mod
         plt.CompilerParams(num_warps=opts.num_warps, num_stages=opts.num_stages) if mode == "triton" else None
     )
     return pl.pallas_call(
-        kernel,
+        functools.partial(kernel, precision=_PRECISIONS[opts.precision]),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -293,14 +301,15 @@ def pallas_chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     block_v: int | None = None,
     interpret: bool | None = None,
+    precision: str = "highest",
 ) -> tuple[jax.Array, jax.Array]:
     """`chunk_gated_delta_rule` with the chunk recurrence in Pallas; same arguments and results.
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None;
-    segment_ids [B, T] or None. block_v / interpret: see `KernelOptions`.
+    segment_ids [B, T] or None. block_v / interpret / precision: see `KernelOptions`.
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
-    opts = KernelOptions(block_v=block_v, interpret=interpret)
+    opts = KernelOptions(block_v=block_v, interpret=interpret, precision=precision)
     return chunked_gated_delta_rule_with(
         lambda chunks, state: pallas_chunk_scan(chunks, state, opts),
         q,
