@@ -52,7 +52,8 @@ from jax.experimental.pallas import triton as plt
 from jaxpi.kernels.gated_delta import chunked_gated_delta_rule_with
 
 # "highest": IEEE float32 products (the parity setting); "tf32": Triton's TF32 tensor-core dots
-# (10-bit mantissa), what XLA may pick for the plain-JAX path's fp32 dots on NVIDIA GPUs
+# (10-bit mantissa), what XLA may pick for the plain-JAX path's fp32 dots on NVIDIA GPUs (and on
+# TPU, Mosaic's default-precision fp32 matmul)
 _PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
 _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 
@@ -61,9 +62,9 @@ _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 class KernelOptions:
     """How the kernels run. `block_v`: Dv columns per program (None: min(Dv, 32)), a divisor of Dv;
     on GPU a power of two ≥ 16 (Triton's tile rule). `interpret`: None = interpret on CPU only.
-    `precision`: "highest" or "tf32" for the in-kernel fp32 matmuls on GPU (the interpreter and
-    Mosaic compute fp32 either way). `num_warps` / `num_stages`: Triton launch parameters (not tuned
-    on hardware yet)."""
+    `precision`: the in-kernel fp32 matmuls, "highest" (IEEE fp32) or "tf32" (lax's DEFAULT: TF32 on
+    Triton, Mosaic's default bf16 passes on TPU; the CPU interpreter computes fp32 either way).
+    `num_warps` / `num_stages`: Triton launch parameters (not tuned on hardware yet)."""
 
     block_v: int | None = None
     interpret: bool | None = None
@@ -78,6 +79,8 @@ class KernelOptions:
             raise ValueError(
                 f"num_warps and num_stages must be >= 1, got {self.num_warps}, {self.num_stages}"
             )
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(_PRECISIONS)}, got {self.precision!r}")
 
     def resolve_block_v(self, dv: int, mode: str) -> int:
         """Columns per program for one mode; Mosaic tiles lanes by 128, so on TPU the whole Dv."""
