@@ -32,11 +32,15 @@ head (2·T·Dv at Dk = 128, C = 64: twice v) and buy a backward that needs no se
 within a chunk Δ is recomputed (one [C, Dk]·[Dk, block_v] matmul) rather than stored.
 
 Platforms: compiled through Triton on GPU (`pallas_call` with `plt.CompilerParams`) and through
-Mosaic on TPU; on CPU the same kernels run in Pallas' interpreter, which checks semantics only (its
-timings say nothing about the hardware). `interpret=None` chooses per platform at lowering time
-(`lax.platform_dependent`), so one jitted function serves every backend; `interpret=True` forces
-the interpreter everywhere. Matmuls run at full float32 precision (IEEE on Triton, no TF32) to
-stay within the parity tolerances of the plain-JAX path.
+Mosaic on TPU. On TPU Dv is taken whole (Mosaic tiles lanes by 128) and each program's blocks span
+the whole sequence: at T = 2048, Dk = Dv = 128 that is ~15 MiB of VMEM double-buffered for the
+forward and ~24 MiB for the backward, growing with T, so long sequences on TPU need the chunk axis
+as a sequential grid axis with the state in VMEM scratch (not written: the TPU variant is lowered
+in the tests, never compiled or run). On CPU the same kernels run in Pallas' interpreter, which
+checks semantics only (its timings say nothing about the hardware). `interpret=None` chooses per
+platform at lowering time (`lax.platform_dependent`), so one jitted function serves every backend;
+`interpret=True` forces the interpreter everywhere. Matmuls run at full float32 precision by
+default (IEEE on Triton, no TF32) to stay within the parity tolerances of the plain-JAX path.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the kernels run. `block_v`: Dv columns per program (None: min(Dv, 32)), a divisor of Dv;
-    on GPU a power of two ≥ 16 (Triton's tile rule). `interpret`: None = interpret on CPU only.
+    on GPU a power of two ≥ 16 (Triton's tile rule); on TPU always Dv. `interpret`: None = interpret
+    on CPU, compile on GPU/TPU; True = interpret everywhere; False = compile only (no CPU lowering).
     `precision`: the in-kernel fp32 matmuls, "highest" (IEEE fp32) or "tf32" (lax's DEFAULT: TF32 on
     Triton, Mosaic's default bf16 passes on TPU; the CPU interpreter computes fp32 either way).
     `num_warps` / `num_stages`: Triton launch parameters (not tuned on hardware yet)."""
