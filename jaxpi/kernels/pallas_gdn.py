@@ -75,7 +75,9 @@ class KernelOptions:
     interpret: bool | None = None
     precision: str = "highest"
     num_warps: int = 4
-    num_stages: int = 2
+    # one stage: each chunk loads ~120 KiB (forward) / ~144 KiB (backward) of fp32 tiles at
+    # Dk = 128, C = 64, block_v = 32, so double-buffering them may not fit 227 KiB of shared memory
+    num_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.block_v is not None and self.block_v < 1:
@@ -310,14 +312,18 @@ def pallas_chunk_gated_delta_rule(
     block_v: int | None = None,
     interpret: bool | None = None,
     precision: str = "highest",
+    num_warps: int = 4,
+    num_stages: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """`chunk_gated_delta_rule` with the chunk recurrence in Pallas; same arguments and results.
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None;
-    segment_ids [B, T] or None. block_v / interpret / precision: see `KernelOptions`.
+    segment_ids [B, T] or None. The other keywords: see `KernelOptions`.
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
-    opts = KernelOptions(block_v=block_v, interpret=interpret, precision=precision)
+    opts = KernelOptions(
+        block_v=block_v, interpret=interpret, precision=precision, num_warps=num_warps, num_stages=num_stages
+    )
     return chunked_gated_delta_rule_with(
         lambda chunks, state: pallas_chunk_scan(chunks, state, opts),
         q,
