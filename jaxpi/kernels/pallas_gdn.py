@@ -65,7 +65,8 @@ _CONTRACT = {"nn": ((1,), (0,)), "tn": ((0,), (0,)), "nt": ((1,), (1,))}
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the kernels run. `block_v`: Dv columns per program (None: min(Dv, 32)), a divisor of Dv;
-    on GPU a power of two ≥ 16 (Triton's tile rule); on TPU always Dv. `interpret`: None = interpret
+    on GPU a power of two ≥ 16, as must be the chunk size and Dk (Triton's tile rule; the Triton
+    lowering names the offending shape); on TPU always Dv. `interpret`: None = interpret
     on CPU, compile on GPU/TPU; True = interpret everywhere; False = compile only (no CPU lowering).
     `precision`: the in-kernel fp32 matmuls, "highest" (IEEE fp32) or "tf32" (lax's DEFAULT: TF32 on
     Triton, Mosaic's default bf16 passes on TPU; the CPU interpreter computes fp32 either way).
