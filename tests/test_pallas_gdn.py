@@ -1,14 +1,16 @@
 """The Pallas chunk-recurrence kernels against the plain-JAX chunked gated delta rule and float64.
 
-On this CPU the kernels run in Pallas' interpreter (the same kernel bodies the GPU/TPU compile);
-the lowering test checks that they also lower to Triton (GPU) and Mosaic (TPU) custom calls at the
-27B's head shapes, without the hardware.
+On this CPU the kernels run in Pallas' interpreters (the same kernel bodies the GPU/TPU compile:
+the GPU kernels in the generic interpreter, the TPU kernels in the TPU interpreter); the lowering
+test checks that they also lower to Triton (GPU) and Mosaic (TPU) custom calls at the 27B's head
+shapes, without the hardware.
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import base64
 import functools
 import math
 import re
@@ -22,7 +24,7 @@ import torch
 from jaxpi.bench.config import make_config
 from jaxpi.bench.gdn import gdn_bench
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule
-from jaxpi.kernels.pallas_gdn import KernelOptions, pallas_chunk_gated_delta_rule
+from jaxpi.kernels.pallas import KernelOptions, pallas_chunk_gated_delta_rule
 
 jax.config.update("jax_enable_x64", False)
 
@@ -43,6 +45,14 @@ CASES = {  # batch, length, key heads, value heads, Dk, Dv, chunk, block_v, segm
     # one head pair, T a multiple of the chunk, no segments, zero initial state, one Dv block
     "plain": (1, 64, 1, 1, 16, 16, 16, None, False, False),
 }
+# (case, interpret): the GPU kernels in the generic interpreter (the CPU default), and the TPU
+# kernels (one chunk per grid step, the state in VMEM scratch) in the TPU interpreter. "plain"
+# runs only in `make test-slow`: the GQA case covers every kernel path it does.
+RUNS = [
+    ("gqa_segments_state", None),
+    ("gqa_segments_state", "tpu"),
+    pytest.param("plain", None, marks=pytest.mark.slow),
+]
 
 
 def make_case(name: str) -> tuple[tuple[np.ndarray, ...], np.ndarray | None, dict]:
@@ -113,25 +123,30 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pallas_matches_plain_jax_and_float64(name: str):
+def named(res) -> dict[str, np.ndarray]:
+    out, state, grads = res
+    return {
+        "output": out,
+        "final state": state,
+        **{f"d{n}": x for n, x in zip(ARG_NAMES, grads, strict=True)},
+    }
+
+
+@functools.cache
+def references(name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The plain-JAX path's and the float64 recurrence's results for a case (shared by its runs)."""
     args, segment_ids, kw = make_case(name)
-    cot_out, cot_state = cotangents(args)
-    pallas = functools.partial(pallas_chunk_gated_delta_rule, **kw)
     plain = functools.partial(chunk_gated_delta_rule, chunk_size=kw["chunk_size"])
-    got = outputs_and_grads(pallas, args, segment_ids, cot_out, cot_state)
-    ref = outputs_and_grads(plain, args, segment_ids, cot_out, cot_state)
-    f64 = float64_recurrence(args, segment_ids, cot_out, cot_state)
+    ref = outputs_and_grads(plain, args, segment_ids, *cotangents(args))
+    return named(ref), named(float64_recurrence(args, segment_ids, *cotangents(args)))
 
-    def named(res) -> dict[str, np.ndarray]:
-        out, state, grads = res
-        return {
-            "output": out,
-            "final state": state,
-            **{f"d{n}": x for n, x in zip(ARG_NAMES, grads, strict=True)},
-        }
 
-    got, ref, f64 = named(got), named(ref), named(f64)
+@pytest.mark.parametrize(("name", "interpret"), RUNS, ids=["gqa-gpu", "gqa-tpu", "plain-gpu"])
+def test_pallas_matches_plain_jax_and_float64(name: str, interpret: str | None):
+    args, segment_ids, kw = make_case(name)
+    pallas = functools.partial(pallas_chunk_gated_delta_rule, interpret=interpret, **kw)
+    got = named(outputs_and_grads(pallas, args, segment_ids, *cotangents(args)))
+    ref, f64 = references(name)
     assert got["output"].shape == args[2].shape and got["final state"].shape == args[5].shape
     for what in got:
         assert np.all(np.isfinite(got[what])), what
@@ -173,6 +188,8 @@ def test_bad_arguments_are_refused():
         KernelOptions(block_v=0)
     with pytest.raises(ValueError, match="precision must be one of"):
         KernelOptions(precision="bf16")
+    with pytest.raises(ValueError, match="interpret must be None, True, False or 'tpu'"):
+        KernelOptions(interpret="gpu")
 
 
 # What each platform's lowering must contain: the custom call and both kernels by name.
@@ -222,3 +239,8 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
         assert text.count("grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 4 : i32") == 2
         # the precision reaches the Triton dots (IEEE fp32 vs TF32 lowers to a different kernel)
         assert lowered("tf32") != text
+    else:  # the Mosaic kernels (MLIR bytecode, base64) step through the chunks with a VMEM scratch
+        bodies = [base64.b64decode(b) for b in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", text)]
+        assert len(bodies) == 2
+        for body in bodies:
+            assert b"arbitrary" in body and b"scratch_operands" in body

@@ -265,7 +265,7 @@ def chunked_gated_delta_rule_with(
 
     `chunks` are `_intra_chunk`'s outputs (U, W, ρe^γ⊙Q, P, ε e^{γ_{C-1}−γ}⊙K, ρ_{C-1} e^{γ_{C-1}},
     each [N, B, H, ...]); `out` is [N, B, H, C, Dv]. `_chunk_scan` is the plain-JAX scan; the Pallas
-    kernel (`jaxpi.kernels.pallas_gdn`) replaces only this part, so both share every other op.
+    kernels (`jaxpi.kernels.pallas`) replace only this part, so both share every other op.
     """
     batch, length, num_v_heads, _ = v.shape
     with jax.named_scope("l2norm_and_scale"):
@@ -308,7 +308,7 @@ def chunk_gated_delta_rule(
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None
     (zeros); segment_ids [B, T] ints or None. Any T: padded inside to a multiple of chunk_size.
     impl: "jax" (plain JAX, the reference and the CPU path) or "pallas" (the chunk recurrence as
-    a Pallas kernel, `jaxpi.kernels.pallas_gdn`: compiled on GPU/TPU, interpreted on CPU).
+    Pallas kernels, `jaxpi.kernels.pallas`: compiled on GPU/TPU, interpreted on CPU).
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
     kwargs = dict(
@@ -321,7 +321,7 @@ def chunk_gated_delta_rule(
         return chunked_gated_delta_rule_with(_chunk_scan, q, k, v, g, beta, **kwargs)
     if impl == "pallas":
         # imported here: the Pallas module builds on this one
-        from jaxpi.kernels.pallas_gdn import pallas_chunk_gated_delta_rule
+        from jaxpi.kernels.pallas import pallas_chunk_gated_delta_rule
 
         return pallas_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
