@@ -28,8 +28,9 @@ def _forward_kernel(
     """u [N,C,bv], w/qr/kw [N,C,K], p [N,C,C], d [N,K], s0 [K,bv] -> out [N,C,bv], final [K,bv] (+ states [N,K,bv])."""
 
     def chunk(n: jax.Array, s: jax.Array) -> jax.Array:
-        if states_ref:
+        if states_ref:  # only when a backward follows: the forward alone keeps no residuals
             states_ref[0][n] = s
+        # one [C, ...] tile per input and chunk: the loads are strided views of the chunk arrays
         tiles = (u_ref[n], w_ref[n], qr_ref[n], p_ref[n], kw_ref[n], d_ref[n][:, None])
         out_ref[n], s = forward_chunk(*tiles, s, precision)
         return s
@@ -46,7 +47,7 @@ def _backward_kernel(
 
     def chunk(i: jax.Array, ds: jax.Array) -> jax.Array:
         n = num_chunks - 1 - i
-        s = states_ref[n]
+        s = states_ref[n]  # saved by the forward: no second forward scan to rebuild it
         tiles = (u_ref[n], w_ref[n], qr_ref[n], p_ref[n], kw_ref[n], d_ref[n][:, None])
         grads, ds_prev = backward_chunk(*tiles, s, dout_ref[n], ds, precision)
         du_ref[n], dw_ref[n], dqr_ref[n], dp_ref[n], dkw_ref[n] = grads
@@ -63,6 +64,7 @@ def _spec(shape: tuple[int, ...], block_v: int, *, v_cols: bool, partial: bool =
     leading axis of Dv blocks (the backward's per-block partial sums).
     """
     *lead, rows, cols = shape
+    # the whole sequence of chunks per program: the chunk loop runs inside the kernel
     block_last = block_v if v_cols else cols
     last = (lambda j: j) if v_cols else (lambda j: 0)
     if len(lead) == 2:  # a state [B, H, K, V]
@@ -84,6 +86,7 @@ def _decay_spec(n: int, dk: int, *, partial: bool = False) -> pl.BlockSpec:
 def _decay_rows(d: jax.Array, dk: int) -> jax.Array:
     """[N, B, H] -> [B, H, N, K]: the chunk-end decay repeated on every key row."""
     d = jnp.moveaxis(d, 0, -1)
+    # a [K] row per chunk rather than a scalar: the kernels load vectors, and the row scales S's rows
     return jnp.broadcast_to(d[..., None], (*d.shape, dk))
 
 

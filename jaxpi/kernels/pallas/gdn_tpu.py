@@ -32,6 +32,7 @@ def _forward_kernel(
     *states_ref, s_scr = rest
     n = pl.program_id(2)
 
+    # the scratch outlives the grid step: load the initial state once per (batch, head)
     @pl.when(n == 0)
     def _() -> None:
         s_scr[...] = s0_ref[...]
@@ -44,6 +45,7 @@ def _forward_kernel(
     )
     s_scr[...] = s
 
+    # final's block index is the same at every chunk step, so it is written back once, after the last
     @pl.when(n == pl.num_programs(2) - 1)
     def _() -> None:
         final_ref[...] = s
@@ -74,6 +76,7 @@ def _backward_kernel(
 
 def _chunk_spec(rows: int, cols: int, num_chunks: int, *, reverse: bool) -> pl.BlockSpec:
     """One chunk's [rows, cols] tile of an [N, B, H, rows, cols] array at grid step (b, h, i)."""
+    # the backward reverses through the index map, so the pipeline prefetches in walking order
     if reverse:
         return pl.BlockSpec((None, None, None, rows, cols), lambda b, h, i: (num_chunks - 1 - i, b, h, 0, 0))
     return pl.BlockSpec((None, None, None, rows, cols), lambda b, h, i: (i, b, h, 0, 0))
@@ -119,6 +122,7 @@ def tpu_forward(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="forward_kernel",
     )
+    # [K, 1] columns: a scalar per chunk would need SMEM and scalar prefetch; a column scales S's rows
     d_col = jnp.broadcast_to(d[..., None, None], (n, b, h, dk, 1))
     return tuple(call(u, w, qr, p, kw, d_col, s0))
 
