@@ -119,6 +119,20 @@ def test_train_step_vs_torch(capsys, reports):
     assert r["speedup_tokens_per_s"] == pytest.approx(
         j["tokens_per_s"]["median"] / t["tokens_per_s"]["median"]
     )
+    # Interleaved repeats: pair i is torch repeat i over jaxpi repeat i, each jaxpi repeat has the
+    # matmul peak probed right before it, and its adjacent MFU is against that peak.
+    assert r["interleaved"] is True
+    _check_figure(r["speedup_pairs"])
+    _check_figure(j["peak_adjacent"])
+    _check_figure(j["mfu_adjacent"])
+    for pair, ts, js in zip(
+        r["speedup_pairs"]["values"], t["step_s"]["values"], j["step_s"]["values"], strict=True
+    ):
+        assert pair == pytest.approx(ts / js)
+    for m, pk, s in zip(
+        j["mfu_adjacent"]["values"], j["peak_adjacent"]["values"], j["step_s"]["values"], strict=True
+    ):
+        assert m == pytest.approx(r["flops"]["total"] / s / pk)
     # Same checkpoint, tokens and zero-initialised B: the first step's loss is the base model's in both.
     assert j["loss_first"] == pytest.approx(t["loss_first"], rel=1e-5)
     assert t["lora_params"] == r["flops"]["lora_params"]
@@ -169,8 +183,29 @@ def test_human_table_names_every_figure(reports):
     merged = dict(reports["train-step"], command="all")
     merged["results"] = {k: v for r in reports.values() for k, v in r["results"].items()}
     text = format_table(merged)
-    for needle in ("tokens/s", "MFU", "jaxpi / torch", "fwd+bwd", "batch   2", "2 / 1 layers"):
+    for needle in (
+        "tokens/s",
+        "MFU",
+        "jaxpi / torch",
+        "per back-to-back pair",
+        "fwd+bwd",
+        "batch   2",
+        "2 / 1 layers",
+    ):
         assert needle in text, needle
+
+
+def test_interleaved_timing_alternates_and_pairs():
+    from jaxpi.bench.timing import interleaved, pair_ratios
+
+    log = []
+    fns = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+    times, first = interleaved(fns, warmup=2, repeats=3, before=lambda name, i: log.append(f"{name}{i}?"))
+    assert log == ["a", "a", "b", "b"] + [x for i in range(3) for x in (f"a{i}?", "a", f"b{i}?", "b")]
+    assert set(times) == set(first) == {"a", "b"} and all(len(v) == 3 for v in times.values())
+    assert pair_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0])["median"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="differ in number"):
+        pair_ratios([1.0], [1.0, 2.0])
 
 
 def test_bad_flags_are_refused(capsys):

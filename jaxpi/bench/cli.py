@@ -66,11 +66,22 @@ def environment(bench: BenchConfig, with_torch: bool) -> dict[str, Any]:
 
 
 def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
-    """Matmul peak, then the jaxpi step (and the torch step) on one checkpoint and token batch."""
+    """Matmul peak, then the jaxpi step (and the torch step) on one checkpoint and token batch.
+
+    With torch, both steps are built and warmed up first, then their timed repeats alternate
+    (jaxpi, torch, jaxpi, ...), each jaxpi repeat preceded by a short matmul-peak probe: a pair
+    of repeats, and a repeat and its peak, run back to back under about the same load.
+    """
     from jaxpi.bench.flops import train_step_flops
-    from jaxpi.bench.peak import matmul_peak
-    from jaxpi.bench.timing import rate, ratio
-    from jaxpi.bench.train_step import bench_tokens, jaxpi_train_step, write_checkpoint
+    from jaxpi.bench.peak import matmul_peak, peak_probe
+    from jaxpi.bench.timing import pair_ratios, rate, ratio
+    from jaxpi.bench.train_step import (
+        bench_tokens,
+        jaxpi_figures,
+        jaxpi_step_runner,
+        jaxpi_train_step,
+        write_checkpoint,
+    )
 
     say(f"matmul peak ({bench.dtype}, n={bench.peak_n})")
     peak = matmul_peak(bench.peak_n, bench.dtype, warmup=2, repeats=max(bench.repeats, 3))
@@ -82,18 +93,42 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="jaxpi-bench-") as tmp:
         say("random checkpoint (transformers)")
         ckpt = write_checkpoint(bench, tmp)
-        say("jaxpi train step")
-        res["jaxpi"] = jaxpi_train_step(bench, ckpt, ids, peak["flop_per_s"]["median"])
-        if vs_torch:
-            from jaxpi.bench.torch_step import torch_train_step
+        if not vs_torch:
+            say("jaxpi train step")
+            res["jaxpi"] = jaxpi_train_step(bench, ckpt, ids, peak["flop_per_s"]["median"])
+            return res
+        from jaxpi.bench.timing import interleaved
+        from jaxpi.bench.torch_step import torch_figures, torch_step_runner
 
-            say("transformers + peft train step")
-            res["torch"] = torch_train_step(bench, ckpt, ids)
-            # > 1: jaxpi processes more tokens per second than transformers + peft
-            res["speedup_tokens_per_s"] = ratio(res["jaxpi"]["tokens_per_s"], res["torch"]["tokens_per_s"])
-            t = res["torch"]
-            t["flop_per_s"] = rate(res["flops"]["total"], t["step_s"]["values"])
-            t["mfu"] = t["flop_per_s"]["median"] / peak["flop_per_s"]["median"]
+        say("jaxpi train step: load and compile")
+        jax_call, built = jaxpi_step_runner(bench, ckpt, ids)
+        say("transformers + peft train step: load")
+        torch_call, info = torch_step_runner(bench, ckpt, ids)
+        probe = peak_probe(bench.peak_n, bench.dtype)
+        adjacent: list[float] = []
+
+        def before(name: str, _: int) -> None:
+            if name == "jaxpi":
+                adjacent.append(probe())
+
+        times, first = interleaved(
+            {"jaxpi": jax_call, "torch": torch_call},
+            warmup=bench.warmup,
+            repeats=bench.repeats,
+            before=before,
+            progress=say,
+        )
+    res["jaxpi"] = jaxpi_figures(
+        bench, times["jaxpi"], first["jaxpi"], built, peak["flop_per_s"]["median"], adjacent
+    )
+    res["torch"] = t = torch_figures(bench, times["torch"], first["torch"], info)
+    res["interleaved"] = True
+    # > 1: jaxpi processes more tokens per second than transformers + peft
+    res["speedup_tokens_per_s"] = ratio(res["jaxpi"]["tokens_per_s"], t["tokens_per_s"])
+    # the same, per pair of back-to-back repeats (torch time / jaxpi time), then their median
+    res["speedup_pairs"] = pair_ratios(times["torch"], times["jaxpi"])
+    t["flop_per_s"] = rate(res["flops"]["total"], t["step_s"]["values"])
+    t["mfu"] = t["flop_per_s"]["median"] / peak["flop_per_s"]["median"]
     return res
 
 
@@ -171,9 +206,15 @@ def format_table(report: dict[str, Any]) -> str:
             lines += [
                 f"  torch    step {_f(t['step_s'])} s   {_f(t['tokens_per_s'])} tokens/s   "
                 f"{t['flop_per_s']['median'] / 1e9:.3g} GFLOP/s   MFU {100 * t['mfu']:.1f} %",
-                f"  jaxpi / torch tokens/s: {r['speedup_tokens_per_s']:.2f}×   first-step loss "
+                f"  jaxpi / torch tokens/s: {r['speedup_tokens_per_s']:.2f}× (ratio of medians)   first-step loss "
                 f"jaxpi {j['loss_first']:.5f}  torch {t['loss_first']:.5f}",
             ]
+            if "speedup_pairs" in r:
+                lines.append(
+                    f"  jaxpi / torch per back-to-back pair: {_f(r['speedup_pairs'], 1, '{:.2f}')}×   "
+                    f"jaxpi MFU vs each repeat's adjacent peak {_f(j['mfu_adjacent'], 100, '{:.1f}')} % "
+                    f"(peak {_f(j['peak_adjacent'], 1e-9)} GFLOP/s)"
+                )
     if "gdn" in res:
         g = res["gdn"]
         s = g["shape"]

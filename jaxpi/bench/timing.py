@@ -34,6 +34,39 @@ def timed(fn: Callable[[], Any], *, warmup: int, repeats: int) -> tuple[list[flo
     return times, first
 
 
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int,
+    repeats: int,
+    before: Callable[[str, int], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """`timed` for several functions whose timed calls alternate: every function is warmed up
+    first, then repeat i calls each in turn (a, b, a, b, ...), so a pair of calls runs back to
+    back under about the same load of a shared machine. `before(name, i)` runs untimed right
+    before each timed call (e.g. a fresh matmul-peak probe).
+
+    Returns ({name: seconds per repeat}, {name: seconds of its first warm-up call}).
+    """
+    first: dict[str, float] = {}
+    for name, fn in fns.items():
+        if progress:
+            progress(f"warm-up: {name}")
+        first[name] = timed(fn, warmup=warmup, repeats=0)[1]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats):
+        for name, fn in fns.items():
+            if before is not None:
+                before(name, i)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+            if progress:
+                progress(f"repeat {i + 1}/{repeats}: {name} {times[name][-1]:.3g} s")
+    return times, first
+
+
 def figure(values: Sequence[float]) -> dict[str, Any]:
     """{"median", "min", "max", "repeats", "values"} of per-repeat values."""
     vals = [float(v) for v in values]
@@ -54,3 +87,11 @@ def rate(amount: float, times: Sequence[float]) -> dict[str, Any]:
 def ratio(num: dict[str, Any], den: dict[str, Any]) -> float:
     """Median over median of two figures."""
     return num["median"] / den["median"]
+
+
+def pair_ratios(slow: Sequence[float], fast: Sequence[float]) -> dict[str, Any]:
+    """The figure of `slow_i / fast_i` over paired repeats (e.g. torch time over jaxpi time of
+    the calls made back to back): a ratio each pair measured under the same load."""
+    if len(slow) != len(fast):
+        raise ValueError(f"paired repeats differ in number: {len(slow)} and {len(fast)}")
+    return figure([s / f for s, f in zip(slow, fast, strict=True)])

@@ -9,6 +9,7 @@ on the adapter, the next-token cross-entropy over all positions (jaxpi's loss, i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,11 @@ def torch_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
-def torch_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> dict[str, Any]:
-    """Load `ckpt` in torch, wrap it with peft, time forward + backward + AdamW."""
+def torch_step_runner(
+    bench: BenchConfig, ckpt: str | Path, ids: np.ndarray
+) -> tuple[Callable[[], float], dict[str, Any]]:
+    """Load `ckpt` in torch and wrap it with peft: (one forward + backward + AdamW call returning
+    its loss, info with "losses": every call's loss, appended as it runs)."""
     import peft
     import torch
     import torch.nn.functional as F
@@ -54,8 +58,13 @@ def torch_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> d
     optimizer = torch.optim.AdamW(trainable, lr=LR)
     x = torch.as_tensor(ids, dtype=torch.long)
     vocab = bench.model.vocab_size
-    load_s = time.perf_counter() - t0
     losses: list[float] = []
+    info: dict[str, Any] = {
+        "load_s": time.perf_counter() - t0,
+        "losses": losses,
+        "threads": torch.get_num_threads(),
+        "lora_params": sum(p.numel() for p in trainable),
+    }
 
     def call() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -66,15 +75,28 @@ def torch_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> d
         losses.append(loss.item())  # .item() waits for the step (CPU torch is synchronous anyway)
         return losses[-1]
 
-    times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
+    return call, info
+
+
+def torch_figures(
+    bench: BenchConfig, times: list[float], first_s: float, info: dict[str, Any]
+) -> dict[str, Any]:
+    """The torch report from the timed repeats."""
     return {
         "step_s": figure(times),
         "tokens_per_s": rate(bench.tokens, times),
         "first_call_s": first_s,
-        "load_s": load_s,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
+        "load_s": info["load_s"],
+        "loss_first": info["losses"][0],
+        "loss_last": info["losses"][-1],
         "attn_implementation": "sdpa",
-        "threads": torch.get_num_threads(),
-        "lora_params": sum(p.numel() for p in trainable),
+        "threads": info["threads"],
+        "lora_params": info["lora_params"],
     }
+
+
+def torch_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> dict[str, Any]:
+    """Load `ckpt` in torch, wrap it with peft, time forward + backward + AdamW alone."""
+    call, info = torch_step_runner(bench, ckpt, ids)
+    times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
+    return torch_figures(bench, times, first_s, info)

@@ -9,6 +9,7 @@ same token batch every repeat.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,21 +80,39 @@ def build_jaxpi_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> d
     }
 
 
-def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak: float) -> dict[str, Any]:
-    """Build the step (`build_jaxpi_step`) and time it. `peak`: matmul FLOP/s for MFU."""
+def jaxpi_step_runner(
+    bench: BenchConfig, ckpt: str | Path, ids: np.ndarray
+) -> tuple[Callable[[], jax.Array], dict[str, Any]]:
+    """(one call of the built step on the carried params and optimizer state, its build info with
+    "losses": every call's loss, appended as it runs)."""
     built = build_jaxpi_step(bench, ckpt, ids)
     compiled, batch = built["step"], built["batch"]
     carry = [built.pop("params"), built.pop("opt_state")]
     losses: list[jax.Array] = []
+    built["losses"] = losses
 
     def call() -> jax.Array:
         carry[0], carry[1], metrics = compiled(carry[0], carry[1], batch)
         losses.append(metrics["loss"])
         return metrics["loss"]
 
-    times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
+    return call, built
+
+
+def jaxpi_figures(
+    bench: BenchConfig,
+    times: list[float],
+    first_s: float,
+    built: dict[str, Any],
+    peak: float,
+    adjacent_peaks: list[float] | None = None,
+) -> dict[str, Any]:
+    """The jaxpi report from the timed repeats. `peak`: the run's matmul FLOP/s for `mfu`;
+    `adjacent_peaks` (one per repeat, measured right before it) add `peak_adjacent` and
+    `mfu_adjacent`, each repeat's MFU against the peak of its own moment."""
     flops = train_step_flops(bench.model, seq=bench.seq, batch=bench.batch, lora_rank=bench.lora_rank)
-    return {
+    losses = built["losses"]
+    out = {
         "step_s": figure(times),
         "tokens_per_s": rate(bench.tokens, times),
         "flop_per_s": rate(flops["total"], times),
@@ -105,3 +124,16 @@ def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak
         "loss_first": float(losses[0]),
         "loss_last": float(losses[-1]),
     }
+    if adjacent_peaks is not None:
+        out["peak_adjacent"] = figure(adjacent_peaks)
+        out["mfu_adjacent"] = figure(
+            [flops["total"] / t / p for t, p in zip(times, adjacent_peaks, strict=True)]
+        )
+    return out
+
+
+def jaxpi_train_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray, peak: float) -> dict[str, Any]:
+    """Build the step (`build_jaxpi_step`) and time it alone. `peak`: matmul FLOP/s for MFU."""
+    call, built = jaxpi_step_runner(bench, ckpt, ids)
+    times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
+    return jaxpi_figures(bench, times, first_s, built, peak)
