@@ -39,7 +39,7 @@ class EnvConfig:
     train_tasks: int = 256  # the task pool collections draw from
     eval_tasks: int = 16  # held-out tasks (another seed) for the evaluation collections
     seed: int = 0
-    keys_per_task: int = 3
+    keys_per_task: int = 3  # 0: unkeyed lookup tasks, `get()` returns the one value (jaxpi.envs.toy)
     max_value: int = 100  # values are 0 .. max_value-1 (a small range makes a lucky guess likely)
     # env.name=pi: task directories (jaxpi.tasks format) and concurrent Pi attempts
     tasks_dir: str = ""
@@ -58,9 +58,9 @@ class EnvConfig:
             errors.append(
                 f"env.train_tasks must be >= 1 and env.eval_tasks >= 0, got {self.train_tasks}, {self.eval_tasks}"
             )
-        if self.keys_per_task < 1 or self.max_value < 1:
+        if self.keys_per_task < 0 or self.max_value < 1:
             errors.append(
-                f"env.keys_per_task and env.max_value must be >= 1, got {self.keys_per_task}, {self.max_value}"
+                f"env.keys_per_task must be >= 0 and env.max_value >= 1, got {self.keys_per_task}, {self.max_value}"
             )
         if errors:
             raise ValueError("; ".join(errors))
