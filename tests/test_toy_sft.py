@@ -47,7 +47,7 @@ def trajs(tok):
 def test_sessions_are_deterministic(tok):
     a, b = toy_sessions(9, 3, tok), toy_sessions(9, 3, tok)
     c = toy_sessions(9, 4, tok)
-    assert [e["session_id"] for e in a] == [f"lookup-3-{i}" for i in range(9)]
+    assert [e["session_id"] for e in a] == [f"value-3-{i}" for i in range(9)]
     for x, y in zip(a, b, strict=True):
         assert np.array_equal(x["input_ids"], y["input_ids"]) and np.array_equal(
             x["loss_mask"], y["loss_mask"]
@@ -59,32 +59,62 @@ def test_sessions_are_deterministic(tok):
 
 def test_sessions_pass_the_verifier_and_masks_cover_exactly_the_turns(tok, trajs):
     env = LookupEnv()
-    tasks = {t.task_id: t for t in make_tasks(45, 5)}
+    tasks = {t.task_id: t for t in make_tasks(45, 5, keys_per_task=0, max_value=10)}
+    assert len({task.payload["table"]["value"] for task in tasks.values()}) == 10  # values 0-9
     for t in trajs:
         task = tasks[t.task_id]
-        key, value = task.payload["target"], task.payload["table"][task.payload["target"]]
+        value = task.payload["table"]["value"]
         assert (t.finish_reason, t.success, t.turns, t.malformed) == ("answer", True, 2, False)
         # the verifier, run again on the answer decoded from the session's own tokens
         assert env.verify(env.reset(task, 0), t.final_answer) and t.final_answer == str(value)
+        assert not env.verify(env.reset(task, 0), str(value + 1))
         # mask: 0 on the prompt and the observation, 1 exactly on the two scripted turns
         (a1, b1), (a2, b2) = spans(t.mask)
         assert a1 == t.prompt_len and t.mask[: t.prompt_len] == [0] * t.prompt_len and b2 == len(t.token_ids)
         dec = lambda a, b, ids=t.token_ids: tok.decode(ids[a:b], skip_special_tokens=False)  # noqa: E731
         first, second = dec(a1, b1), dec(a2, b2)
-        assert first.endswith(
-            f"</think>\n\n<tool_call>\n<function=get>\n<parameter=key>\n{key}\n</parameter>\n</function>\n</tool_call><|im_end|>"
-        )
-        assert first.count(f"({key})") >= 1 and second == f"got it.\n</think>\n\n{value}<|im_end|>"
+        # an unkeyed task: get() without an argument, nothing copied from the instruction
+        assert first.endswith("</think>\n\n<tool_call>\n<function=get>\n</function>\n</tool_call><|im_end|>")
+        assert first.startswith("need the value.") and second == f"got it.\n</think>\n\n{value}<|im_end|>"
         assert dec(b1, a2) == (
             f"\n<|im_start|>user\n<tool_response>\n{value}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
         )
-        assert dec(0, a1).endswith(f"{task.instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n")
+        assert dec(0, a1).endswith("What is the value?<|im_end|>\n<|im_start|>assistant\n<think>\n")
         assert f"Reasoning effort: {t.level}." in dec(0, a1)
         # the same ids a fresh render of the finished conversation gives (template-consistent)
         full = tok.apply_chat_template(
             list(t.messages), tools=list(task.tools), tokenize=False, enable_thinking=True
         )
         assert t.token_ids == tok(full.removesuffix("\n"), add_special_tokens=False)["input_ids"]
+
+
+def test_keyed_sessions_copy_the_key_into_the_call(tok):
+    cfg = ToySFTConfig(keys_per_task=3, max_value=100)
+    tasks = make_tasks(6, 2, keys_per_task=3, max_value=100)
+    for t, task in zip(toy_trajectories(6, 2, tok, cfg=cfg), tasks, strict=True):
+        key = task.payload["target"]
+        (a1, b1), _ = spans(t.mask)
+        first = tok.decode(t.token_ids[a1:b1], skip_special_tokens=False)
+        assert t.success and t.task_id == task.task_id and first.count(f"({key})") >= 1
+        assert first.endswith(f"<parameter=key>\n{key}\n</parameter>\n</function>\n</tool_call><|im_end|>")
+
+
+def test_unkeyed_env_ignores_arguments_and_keyed_env_still_resolves_keys():
+    env = LookupEnv()
+    (task,) = make_tasks(1, 0, keys_per_task=0, max_value=10)
+    state = env.reset(task, 0)
+    assert (
+        task.instruction == "What is the value?" and task.tools[0]["function"]["parameters"]["required"] == []
+    )
+    value = task.payload["table"]["value"]
+    assert env.run_tool(state, "get", {}) == str(value) == env.run_tool(state, "get", {"key": "zz"})
+    assert env.run_tool(state, "put", {}).startswith("error") and env.answer(state) == value
+    (keyed,) = make_tasks(1, 0)
+    ks = env.reset(keyed, 0)
+    assert env.run_tool(ks, "get", {"key": "zz"}) == "error: no key zz"
+    assert env.run_tool(ks, "get", {"key": keyed.payload["target"]}) == str(env.answer(ks))
+    with pytest.raises(ValueError, match="keys_per_task >= 0"):
+        make_tasks(1, 0, keys_per_task=-1)
 
 
 def test_reasoning_lengths_follow_the_levels(tok, trajs):
@@ -94,8 +124,12 @@ def test_reasoning_lengths_follow_the_levels(tok, trajs):
         lo, hi = cfg.reasoning[lv]
         assert len(values) == 15 and all(lo <= v <= hi for v in values), (lv, values)
         assert len(set(values)) > 1  # spread within a level
-    mean = {lv: np.mean(v) for lv, v in by_level.items()}
-    assert mean["low"] > 1.5 * mean["medium"] and mean["xhigh"] > mean["low"]
+    # on average low reasons longer than medium (over 100 sessions a level: low's spread is wide)
+    many = toy_trajectories(300, 6, tok)
+    mean = {lv: np.mean([t.reasoning_tokens for t in many if t.level == lv]) for lv in cfg.levels}
+    assert mean["low"] > 1.1 * mean["medium"] and mean["xhigh"] > mean["low"], mean
+    # low spreads on both sides of medium: the room below it that effort-ordered GRPO can reach
+    assert min(by_level["low"]) < min(by_level["medium"]) and max(by_level["low"]) > max(by_level["medium"])
     # the examples carry the agent loop's count
     ex = toy_sessions(6, 5, tok)
     assert [e["reasoning_tokens"] for e in ex] == [t.reasoning_tokens for t in trajs[:6]]
@@ -103,7 +137,7 @@ def test_reasoning_lengths_follow_the_levels(tok, trajs):
     short = ToySFTConfig(levels=("low",), reasoning={"low": (12, 20)})
     assert all(12 <= e["reasoning_tokens"] <= 20 for e in toy_sessions(6, 1, tok, cfg=short))
     with pytest.raises(ValueError, match="no phrase count"):
-        pick_phrases(tok, "ka", (2, 3), np.random.default_rng(0))
+        pick_phrases(tok, None, (2, 3), np.random.default_rng(0))
 
 
 def test_config_validation():
@@ -130,13 +164,15 @@ def test_summarize_scripted_sessions(trajs):
     assert s["T_L/T_M"] == pytest.approx(
         s["levels"]["low"]["reasoning_mean"] / s["levels"]["medium"]["reasoning_mean"]
     )
-    assert s["T_L/T_M"] > 1.5 and s["T_M/T_H"] < 1.0
+    assert s["T_M/T_H"] < 1.0
 
 
 def test_script_text():
     first, second = script("ka", 7, 2)
     assert first.startswith("key (ka). find (ka).\n</think>\n\n<tool_call>")
     assert second == "got it.\n</think>\n\n7<|im_end|>"
+    first, _ = script(None, 7, 2)
+    assert first.startswith("need the value. call get.\n</think>\n\n<tool_call>\n<function=get>\n</function>")
 
 
 def test_toy_base_scales_head_attention_gains_and_decay(tmp_path):
@@ -191,13 +227,13 @@ def test_sft_on_toy_lookup_then_evaluate(tmp_path):
     assert summary["checkpoint"] and np.isfinite(summary["final_loss"])
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["source"] == "toy_lookup" and report["train_examples"] + report["val_examples"] == 8
-    assert report["examples"]["truncated"] == 0 and report["reasoning"]["low"] == [34, 52]
+    assert report["examples"]["truncated"] == 0 and report["reasoning"]["low"] == [17, 68]
 
     model, tok, render_cfg = load_run(tmp_path / "run")
     out = evaluate_toy(
         model,
         tok,
-        make_tasks(1, seed=99),
+        make_tasks(1, seed=99, keys_per_task=0, max_value=10),
         ["low", "medium"],
         2,
         seed=0,
@@ -223,12 +259,10 @@ def test_copy_pretrain_config_and_answer_positions(tok):
     ex = toy_sessions(6, 2, tok)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     pos = answer_positions(ex, end)
-    tasks = make_tasks(6, 2)
+    tasks = make_tasks(6, 2, keys_per_task=0, max_value=10)
     for e, p, task in zip(ex, pos, tasks, strict=True):
         value = task.payload["table"][task.payload["target"]]
-        assert tok.decode(e["input_ids"][p : p + 2], skip_special_tokens=False).endswith(
-            f"{value % 10}<|im_end|>"
-        )
+        assert tok.decode(e["input_ids"][p : p + 2], skip_special_tokens=False).endswith(f"{value}<|im_end|>")
         assert e["loss_mask"][p] == 1 and p + 1 == len(e["input_ids"]) - 1
     with pytest.raises(ValueError, match="no supervised end of turn"):
         answer_positions([{**ex[0], "loss_mask": np.zeros_like(ex[0]["loss_mask"])}], end)

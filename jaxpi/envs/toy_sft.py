@@ -2,17 +2,19 @@
 
 The seed report saw this after SFT: the low-effort level reasoned longer than medium, a cost-ordering
 violation that effort-ordered GRPO then fixed. `toy_sessions` builds a supervised set with the same
-fault on purpose, so a tiny model trained on it starts GRPO where the report's model did:
+fault on purpose, so a tiny model trained on it starts GRPO where the report's model did. On the
+unkeyed tasks (`ToySFTConfig.keys_per_task=0`, the default; `get()` takes no argument):
 
-    turn 1   <think> PHRASES </think> <tool_call> get(key=<target>) </tool_call>   (mask 1)
-    obs      <tool_response> 37 </tool_response> ... <think>                        (mask 0)
-    turn 2   <think> got it. </think> 37                                           (mask 1)
+    turn 1   <think> PHRASES </think> <tool_call> get() </tool_call>                (mask 1)
+    obs      <tool_response> 7 </tool_response> ... <think>                        (mask 0)
+    turn 2   <think> got it. </think> 7                                            (mask 1)
 
-PHRASES is a fixed cycle of short phrases that each name the key ("key ka.", "find ka.", ...);
-how many of them a session has is drawn per level so that the attempt's reasoning tokens fall in
-that level's range (default low 34-52, medium 12-28, xhigh 52-80: low is longer than medium).
-The model learns the copy (key from the instruction into the call, number from the observation
-into the answer) and, from the level line of the system prompt, when to stop reasoning.
+PHRASES is a fixed cycle of short phrases ("need the value.", "call get.", ...); how many of them
+a session has is drawn per level so that the attempt's reasoning tokens fall in that level's range
+(default low 34-52, medium 12-28, xhigh 52-80: low is longer than medium). With the tiny
+tokenizer 1..7 phrases give 17, 23, 31, 40, 50, 58, 68 tokens, so low draws 4-5 phrases, medium
+1-2 and xhigh 6-7: two lengths per level, the spread GRPO compares within a group. Keyed tasks
+(`keys_per_task >= 1`) name the key in every phrase ("key (ka).") and in the call.
 
 The rows are not rendered by hand: a scripted engine replays the intended turns through the real
 agent loop (`run_attempts`), so the ids, observation deltas and masks are exactly those of a
@@ -21,37 +23,33 @@ rollout that sampled the same text, and every session is scored by the environme
 `evaluate_toy` samples a model through `JaxEngine` + `run_attempts` and reports, per level, the
 pass rate and reasoning tokens, with the ordering ratios T_L/T_M and T_M/T_H.
 
-Measured (2 shared CPU cores; `python -m jaxpi.envs.toy_sft base runs/toy-base`, then
-`jaxpi sft --config configs/sft/toy.yaml`: 2 min 22 s, 150 steps of 4 rows, loss 9.4 -> 0.86,
-val 0.59; `python -m jaxpi.envs.toy_sft eval runs/sft-toy --tasks 8 --attempts 4`: 110 s,
-temperature 1, 128 new tokens a turn, 3 turns, context 512):
+What a tiny model learns. LoRA alone on the toy base (`make_toy_base`, "toy-random") learns the
+template, the phrase cycle and the per-level stop decisions but leaves the copied tokens at chance
+(4-12 nats each after 150-300 steps; TINY width, rank 16 or 64, 1 or 2 attention layers), and the
+plain tiny-random base cannot get past loss ~3.6 at all (its frozen head). `make_copy_base`
+("toy-copy", `model.base=toy-copy`) first trains *every* weight of the toy base on sessions of one
+length range at every level (`pretrain_copy`). On the keyed tasks that learned the number copy
+(observation -> answer) but not the key copy (instruction -> call: the key's first letter right
+2-8% of the time after 25-150 steps, chance ~4%), so sampled sessions called a wrong key and
+guessed (pass rate 0.05 / 0.09 / 0.02 with values 0-9). Hence the unkeyed tasks, which keep only
+the copy the model can learn.
 
+Measured on the unkeyed tasks, values 0-9 (2 CPU cores shared with other jobs;
+`jaxpi sft --config configs/sft/toy.yaml output.dir=runs/sft-toy`, then
+`python -m jaxpi.envs.toy_sft eval runs/sft-toy --tasks 16 --attempts 4`: temperature 1, 128 new
+tokens a turn, 3 turns, context 512):
+
+    toy-copy pre-training   120 steps of 8 rows, 160 s: loss 0.027, held-out answer token right
+                            on 64/64 sessions (pretrain.json)
+    LoRA SFT                150 steps of 4 rows, ~3 min: loss 0.010, val 0.011
     level    attempts  pass  malformed  reasoning mean ± std (min-max)
-    low          32    0.00    0.56        49.9 ± 25.1 (8-90)
-    medium       32    0.00    0.59        38.4 ± 21.4 (8-79)
-    xhigh        32    0.00    0.41        52.9 ± 27.6 (9-128)
-    T_L/T_M = 1.30, T_M/T_H = 0.73
+    low          64    0.91    0.03        44.4 ±  9.5 (4-55)
+    medium       64    0.98    0.02        18.5 ±  2.9 (10-23)
+    xhigh        64    0.97    0.02        65.8 ±  7.6 (24-87)
+    T_L/T_M = 2.40, T_M/T_H = 0.28     (64 s)
 
-With train.steps=450 (6.8 min, loss 0.47-0.66) the lengths sharpen to the data's ordering:
-low 51.3 ± 23.1, medium 22.7 ± 8.6, xhigh 64.7 ± 21.3 (T_L/T_M = 2.26, T_M/T_H = 0.35),
-malformed 0.53 / 0.53 / 0.31, pass rate still 0.00 at every level.
-
-The ordering and the spread are there; the copy is not. Per-token losses on held-out sessions
-show the template, the phrase cycle and the stop decisions learned (loss < 0.05 a token) but
-the key and number tokens at chance (4-12 nats) after 150-300 steps in every setting tried
-(TINY width; rank 16 or 64; 1 or 2 attention layers; the plain or the toy base), so no attempt
-passes yet. The plain tiny-random base could not get past loss ~3.6 at all (its frozen head).
-
-`make_copy_base` ("toy-copy", `model.base=toy-copy`) trains *every* weight of the toy base on
-sessions of one length range at every level (`pretrain_copy`, 120 steps of 8 rows, lr 3e-3,
-330-380 s on the shared 2 cores). Measured with values 0-9: the number copy is learned (argmax
-answer token right on 64/64 held-out sessions from step ~75; `pretrain.json`), the key copy is
-not (the token after the first "(" of the reasoning, i.e. the key's first letter copied from the
-instruction, right 2-8% of the time at steps 25-150, chance ~4%), also after the instruction
-put the key in parentheses so that it is the same tokens as in the call. A LoRA SFT (150 steps)
-on that base then samples well-formed sessions (malformed 0.00) that call a wrong key, read
-"error: no key", and guess: held-out pass rate 0.05 / 0.09 / 0.02 (low / medium / xhigh, 64
-attempts each), chance being 0.10. So the toy configs keep values 0-1 and the toy-random base.
+A guess passes 1 time in 10, so these pass rates are the copy, and the ordering violation is the
+one the data put there.
 """
 
 from __future__ import annotations
@@ -85,9 +83,20 @@ PHRASES = (
     "ask for ({k}).",
     "use ({k}).",
 )
+# The unkeyed tasks' cycle (`keys_per_task=0`): nothing to copy from the instruction.
+PLAIN_PHRASES = (
+    "need the value.",
+    "call get.",
+    "read the reply.",
+    "copy the number.",
+    "check it once.",
+    "then answer.",
+    "no key here.",
+    "one call is enough.",
+)
 SECOND_THOUGHT = "got it."  # turn 2's reasoning, the same in every session
 DEFAULT_REASONING: Mapping[str, tuple[int, int]] = MappingProxyType(
-    {"low": (34, 52), "medium": (12, 28), "xhigh": (52, 80)}
+    {"low": (17, 68), "medium": (31, 40), "xhigh": (68, 90)}
 )
 END_OF_TURN = "<|im_end|>"
 
@@ -100,8 +109,8 @@ class ToySFTConfig:
     reasoning: Mapping[str, tuple[int, int]] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_REASONING)
     )
-    keys_per_task: int = 3
-    max_value: int = 100
+    keys_per_task: int = 0  # 0: unkeyed tasks, `get()` (the toy result's); >= 1: `get(key)`
+    max_value: int = 10
 
     def __post_init__(self) -> None:
         reasoning = {str(k): (int(v[0]), int(v[1])) for k, v in dict(self.reasoning).items()}
@@ -116,32 +125,36 @@ class ToySFTConfig:
         for level, (lo, hi) in reasoning.items():
             if not 1 <= lo <= hi:
                 errors.append(f"reasoning range of {level!r} must satisfy 1 <= lo <= hi, got ({lo}, {hi})")
-        if self.keys_per_task < 1 or self.max_value < 1:
+        if self.keys_per_task < 0 or self.max_value < 1:
             errors.append(
-                f"keys_per_task and max_value must be >= 1, got {self.keys_per_task}, {self.max_value}"
+                f"keys_per_task must be >= 0 and max_value >= 1, got {self.keys_per_task}, {self.max_value}"
             )
         if errors:
             raise ValueError("; ".join(errors))
 
 
-def tool_call(key: str) -> str:
-    """The qwen3-coder XML the chat template teaches for `get(key=...)`."""
+def tool_call(key: str | None) -> str:
+    """The qwen3-coder XML the chat template teaches for `get(key=...)` (`get()` for key None)."""
+    if key is None:
+        return "<tool_call>\n<function=get>\n</function>\n</tool_call>"
     return f"<tool_call>\n<function=get>\n<parameter=key>\n{key}\n</parameter>\n</function>\n</tool_call>"
 
 
-def filler(key: str, n: int) -> str:
-    """The first n phrases of the cycle, naming `key`."""
+def filler(key: str | None, n: int) -> str:
+    """The first n phrases of the cycle, naming `key` (the plain cycle for key None)."""
+    if key is None:
+        return " ".join(PLAIN_PHRASES[i % len(PLAIN_PHRASES)] for i in range(n))
     return " ".join(PHRASES[i % len(PHRASES)].format(k=key) for i in range(n))
 
 
-def script(key: str, value: int, phrases: int) -> tuple[str, str]:
+def script(key: str | None, value: int, phrases: int) -> tuple[str, str]:
     """The two assistant turns, as sampled text (the generation prompt already opened `<think>`)."""
     first = f"{filler(key, phrases)}\n</think>\n\n{tool_call(key)}{END_OF_TURN}"
     second = f"{SECOND_THOUGHT}\n</think>\n\n{value}{END_OF_TURN}"
     return first, second
 
 
-def reasoning_tokens(tokenizer: Any, key: str, phrases: int) -> int:
+def reasoning_tokens(tokenizer: Any, key: str | None, phrases: int) -> int:
     """Reasoning tokens of a scripted attempt (both turns), counted as the agent loop counts them:
     the text before `</think>`, its trailing newline included."""
 
@@ -151,7 +164,7 @@ def reasoning_tokens(tokenizer: Any, key: str, phrases: int) -> int:
     return n(f"{filler(key, phrases)}\n") + n(f"{SECOND_THOUGHT}\n")
 
 
-def pick_phrases(tokenizer: Any, key: str, span: tuple[int, int], rng: np.random.Generator) -> int:
+def pick_phrases(tokenizer: Any, key: str | None, span: tuple[int, int], rng: np.random.Generator) -> int:
     """A phrase count, uniform over those whose attempt reasoning falls in `span`."""
     lo, hi = span
     fits = []
@@ -221,8 +234,9 @@ def toy_trajectories(
     jobs, scripts = [], []
     for i, task in enumerate(tasks):
         level = cfg.levels[i % len(cfg.levels)]
-        key = str(task.payload["target"])
-        value = int(task.payload["table"][key])
+        target = str(task.payload["target"])
+        value = int(task.payload["table"][target])
+        key = target if task.payload.get("keyed", True) else None
         jobs.append((task, level))
         scripts.append(script(key, value, pick_phrases(tokenizer, key, cfg.reasoning[level], rng)))
     trajs = run_attempts(
@@ -636,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--levels", default="low,medium,xhigh")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-context", type=int, default=512)
+    e.add_argument("--keys-per-task", type=int, default=0, help="0: unkeyed tasks (get())")
+    e.add_argument("--max-value", type=int, default=10)
     args = p.parse_args(argv)
     if args.cmd == "base":
         out = make_toy_base(
@@ -654,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = evaluate_toy(
         model,
         tok,
-        make_tasks(args.tasks, seed=args.seed),
+        make_tasks(args.tasks, seed=args.seed, keys_per_task=args.keys_per_task, max_value=args.max_value),
         args.levels.split(","),
         args.attempts,
         seed=args.seed,
