@@ -43,6 +43,7 @@ class QwenConfig:
     attention_bias: bool = False
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
+    gdn_impl: str = "jax"  # the chunked gated delta rule: "jax" (plain JAX) or "pallas" (kernels)
     remat: str = "none"
     scan_layers: bool = True
     # HF fields we carry through untouched (token ids, rope extras such as mrope_section).
@@ -80,6 +81,8 @@ class QwenConfig:
             errors.append(f"remat {self.remat!r} is not one of {REMAT_POLICIES}")
         if self.gdn_chunk_size < 1 or self.gdn_chunk_size & (self.gdn_chunk_size - 1):
             errors.append(f"gdn_chunk_size {self.gdn_chunk_size} must be a power of two")
+        if self.gdn_impl not in ("jax", "pallas"):
+            errors.append(f"gdn_impl {self.gdn_impl!r} is not one of ('jax', 'pallas')")
         if errors:
             raise ValueError("invalid QwenConfig: " + "; ".join(errors))
 
