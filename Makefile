@@ -36,10 +36,10 @@ demo-full: $(STAMP)
 # waits on servers and subprocesses. JOBS=0 runs everything in this process.
 JOBS ?= 2
 test: $(STAMP) system-deps pi
-	$(BIN)/pytest -m "not slow" -q -n $(JOBS) --dist loadfile
+	$(BIN)/pytest -m "not slow" -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test-slow: $(STAMP)
-	$(BIN)/pytest -m slow -q -n $(JOBS) --dist loadfile
+	$(BIN)/pytest -m slow -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxpi sharding tests tools
