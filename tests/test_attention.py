@@ -32,7 +32,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 from jaxpi.config import FULL, LINEAR, TINY
 from jaxpi.convert.table import _layer_rules
 from jaxpi.hf_fixtures import hf_text_config
-from jaxpi.kernels.attention import rope_tables
+from jaxpi.kernels import attention as attention_kernel
+from jaxpi.kernels.attention import attention, causal_attention, rope_tables
 from jaxpi.models.layers import MLP, GatedAttention, GatedDeltaNet
 
 jax.config.update("jax_enable_x64", False)
@@ -228,8 +229,12 @@ def assert_grads_close(ours_hf_layout: dict[str, np.ndarray], hf: dict[str, np.n
 # ---- gated attention -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [GQA_3_1, TINY], ids=["gqa3:1", "gqa2:1"])
-def test_gated_attention_matches_hf(cfg):
+@pytest.mark.parametrize(
+    "cfg, block", [(GQA_3_1, 8), (TINY, None)], ids=["gqa3:1-blocks-of-8", "gqa2:1-one-block"]
+)
+def test_gated_attention_matches_hf(cfg, block, monkeypatch):
+    if block:  # several query blocks of the causal core (the last one partial)
+        monkeypatch.setattr(attention_kernel, "ATTN_BLOCK", block)
     b, t = 2, 23
     x, cot = torch_input(0, (b, t, cfg.hidden_size))
     attn, y_t, dx_t, (cos_t, sin_t) = hf_attention(cfg, 1, x, cot)
@@ -246,9 +251,10 @@ def test_gated_attention_matches_hf(cfg):
     assert_grads_close(attention_to_hf(grads, cfg), hf_grads(attn))
 
 
-def test_gated_attention_packed_segments_equal_separate_runs():
+def test_gated_attention_packed_segments_equal_separate_runs(monkeypatch):
     """A row packing two sequences (positions restarting at the boundary) gives each one's output alone,
-    and no gradient flows across the boundary."""
+    and no gradient flows across the boundary (query blocks of 8: the boundary inside a block)."""
+    monkeypatch.setattr(attention_kernel, "ATTN_BLOCK", 8)
     cfg = GQA_3_1
     lengths = (13, 10)
     t = sum(lengths)
@@ -273,6 +279,39 @@ def test_gated_attention_packed_segments_equal_separate_runs():
     # without segment ids the second sequence would see the first (the test is not vacuous)
     unmasked, _, _ = value_and_grads(layer, x, cot, **attention_kwargs(cfg, np.arange(t)[None]))
     assert rel_err(unmasked[:, lengths[0] :], packed[:, lengths[0] :]) > 1e-2
+
+
+@pytest.mark.parametrize("block", [8])
+def test_blocked_causal_attention_equals_the_dense_core(block):
+    """`causal_attention` (query blocks over a key prefix) against `attention` (the full masked
+    [T, T] scores) with GQA 3:1 and three packed segments: outputs and q, k, v gradients."""
+    b, t, hkv, g, d = 2, 37, 2, 3, 16
+    ks = jax.random.split(jax.random.key(block), 4)
+    q, k, v = (jax.random.normal(kk, (b, t, h, d)) for kk, h in zip(ks[:3], (hkv * g, hkv, hkv), strict=True))
+    cot = jax.random.normal(ks[3], (b, t, hkv * g, d))
+    segments = jnp.asarray(np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [11, 17, 9], axis=1), jnp.int32)
+    positions = jnp.asarray(
+        [
+            np.concatenate([np.arange(11), np.arange(17), np.arange(9)]),
+            np.concatenate([np.arange(28), np.arange(9)]),
+        ],
+        jnp.int32,
+    )
+
+    flat = jnp.broadcast_to(jnp.arange(t), (b, t))  # no segments: one causal sequence per row
+
+    @jax.jit
+    def out_and_grads(q, k, v, seg, pos):
+        kw = {"q_positions": pos, "kv_positions": pos, "q_segments": seg, "kv_segments": seg}
+        y_ref, vjp_ref = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
+        y_new, vjp_new = jax.vjp(
+            lambda q, k, v: causal_attention(q, k, v, segments=seg, block=block), q, k, v
+        )
+        return (y_new, *vjp_new(cot)), (y_ref, *vjp_ref(cot))
+
+    for seg, pos in ((segments, positions), (None, flat)):
+        for got, want in zip(*out_and_grads(q, k, v, seg, pos), strict=True):  # output, dq, dk, dv
+            assert rel_err(got, want) <= 1e-6
 
 
 # ---- Gated DeltaNet --------------------------------------------------------------------------------

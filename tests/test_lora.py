@@ -50,6 +50,7 @@ def base(tmp_path_factory):
             dirs[cfg] = make_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, seed=len(dirs))
         return load_hf(dirs[cfg])[1]
 
+    get.dirs = dirs  # the checkpoint of each config, for the torch side
     return get
 
 
@@ -155,6 +156,52 @@ def test_merge_keeps_adapters_and_unmerge_restores_the_base(base, ids):
     assert rel(FWD(model, ids), adapted) < 1e-6  # adapters live again
     with pytest.raises(ValueError, match="no merged adapters"):
         unmerge_lora(model)
+
+
+# ---- gradients against peft --------------------------------------------------------------------
+def test_adapter_gradients_match_peft(base, ids):
+    """The next-token loss and the gradient of every lora_A / lora_B equal peft's on the same
+    transformers model (fp32, random A and B): the adapter's own backward (`lora_delta`) is exact."""
+    import peft
+    import torch
+    import torch.nn.functional as F
+    from peft.utils import set_peft_model_state_dict
+    from transformers import Qwen3_5ForCausalLM as HFModel
+
+    from jaxpi.convert.peft import adapter_tensors
+    from jaxpi.train.step import next_token_loss
+
+    lcfg = LoraConfig(rank=4, alpha=8.0)
+    model = add_lora(base(SMALL), lcfg)
+    randomize_b(model, scale=0.2)
+    graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
+    loss, grads = jax.jit(jax.value_and_grad(lambda lo: next_token_loss(nnx.merge(graphdef, lo, rest), ids)))(
+        lora
+    )
+    weights = adapter_tensors(model, lcfg, "model.")
+    nnx.update(model, grads)  # the gradients in peft's names and layout
+    ours = adapter_tensors(model, lcfg, "model.")
+
+    hf = HFModel.from_pretrained(base.dirs[SMALL], dtype=torch.float32)
+    pcfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(ALL_LINEAR))
+    theirs_model = peft.get_peft_model(hf, pcfg)
+    report = set_peft_model_state_dict(theirs_model, {k: torch.from_numpy(v) for k, v in weights.items()})
+    assert not [k for k in report.unexpected_keys if "lora" in k]
+    x = torch.from_numpy(np.array(ids)).long()
+    logits = theirs_model(input_ids=x).logits
+    t_loss = F.cross_entropy(logits[:, :-1].reshape(-1, SMALL.vocab_size), x[:, 1:].reshape(-1))
+    t_loss.backward()
+    theirs = {
+        n.replace(".default", ""): p.grad.numpy()
+        for n, p in theirs_model.named_parameters()
+        if p.requires_grad
+    }
+    assert set(theirs) == set(ours)
+    assert abs(float(loss) - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    errs = {k: rel(jnp.asarray(ours[k]), jnp.asarray(theirs[k])) for k in ours}
+    assert all(np.abs(v).max() > 0 for v in ours.values())
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-3, (worst, errs[worst])
 
 
 # ---- dropout ----------------------------------------------------------------------------------------

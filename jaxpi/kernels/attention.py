@@ -5,14 +5,23 @@
     o_{b,t,h}   = Σ_u softmax_u(s)_{b,h,t,u} · v_{b,u,h/G}
 
 Scores and softmax are float32 whatever the inputs' dtype (as `transformers` does).
+
+`causal_attention` is the same core for a sequence attending to itself (training, prefill without
+a cache), computed in query blocks: block i reads only keys up to its own end, so the fully
+masked upper triangle of `s` is never computed, stored or differentiated (about half the work
+and memory of the [T, T] scores), and the causal mask is a constant per block.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row then gives a uniform, not NaN, softmax
+# Query block of `causal_attention`: 8 blocks at T = 2048 execute 56 % of the dense scores; smaller
+# blocks save little more and unroll more, smaller matmuls.
+ATTN_BLOCK = 256
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -65,4 +74,46 @@ def attention(
         s = jnp.where(mask[:, None, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgtu,bukd->btkgd", p, v)
+    return o.reshape(b, t, hq, d)
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segments: jax.Array | None = None,
+    block: int | None = None,
+) -> jax.Array:
+    """Causal grouped-query self-attention in query blocks (q, k, v of the same tokens).
+
+    q `[B, T, Hq, D]`; k, v `[B, T, Hkv, D]`; `segments` `[B, T]` forbids attention across packed
+    sequences. Token t sees token u when u ≤ t (by index) and both are in the same segment: the
+    mask of `attention` for positions that increase within each segment (what the model passes
+    without a cache), where the two give the same result. Returns `[B, T, Hq, D]`.
+
+    Block i (queries [lo, hi)) takes the scores of keys [0, hi) only; every row sees at least its
+    own token, so no row is fully masked. Autodiff of each block is as blocked as its forward.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    c = min(block or ATTN_BLOCK, t)
+    qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]: query heads grouped by their kv head
+    outs = []
+    for lo in range(0, t, c):
+        hi = min(lo + c, t)
+        kb, vb = k[:, :hi], v[:, :hi]  # the keys this block can see
+        with jax.named_scope("scores"):
+            s = jnp.einsum("btkgd,bukd->bkgtu", qg[:, lo:hi], kb, preferred_element_type=jnp.float32)
+            s = s * (d**-0.5)  # [B, Hkv, G, hi - lo, hi]
+        with jax.named_scope("mask"):
+            # A numpy constant: token lo + i sees keys ≤ lo + i.
+            mask = jnp.asarray(np.arange(hi)[None, :] <= np.arange(lo, hi)[:, None])  # [hi - lo, hi]
+            if segments is not None:
+                mask = mask & (segments[:, lo:hi, None] == segments[:, None, :hi])  # [B, hi - lo, hi]
+                mask = mask[:, None, None]
+            s = jnp.where(mask, s, _NEG)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkgtu,bukd->btkgd", p, vb))
+    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return o.reshape(b, t, hq, d)

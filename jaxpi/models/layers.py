@@ -7,6 +7,7 @@ transposed and reshaped by `jaxpi.convert`, never here.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpi.config import FULL, QwenConfig
-from jaxpi.kernels.attention import apply_partial_rope, attention
+from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
@@ -57,13 +58,50 @@ def project(
             key = jax.random.fold_in(dropout_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
             keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
             xf = jnp.where(keep, xf / (1.0 - rate), 0.0)
-        xa = jnp.tensordot(xf, a, axes=n_in)  # [B, T, r]
-        delta = jnp.tensordot(xa, b[...], axes=1)
+        delta = lora_delta(xf, a, b[...], n_in)
         mask = getattr(mod, f"lora_mask_{name}", None)
         if mask is not None:  # a stacked adapter whose layer (this scan step) is not selected
             delta = delta * mask[...]
         y = (y + mod.lora_scale * delta).astype(x.dtype)
     return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, n_in: int) -> jax.Array:
+    """`(x·A)·B` contracting the last `n_in` axes of x with A's leading ones: x `[*lead, *in]`,
+    A `[*in, r]`, B `[r, *out]` → `[*lead, *out]`.
+
+    Its own backward because autodiff's weight gradients contract the tokens of both operands
+    (`dB = Σ_t xa_t ⊗ dy_t`), and XLA's CPU dot then re-lays out the big `dy` `[*lead, *out]` with
+    the tokens minor: a transposed copy of every adapted projection's output cotangent. Here the
+    small rank-r side is transposed instead, so the big operands are read in place.
+    """
+    return jnp.tensordot(jnp.tensordot(x, a, axes=n_in), b, axes=1)
+
+
+def _lora_delta_fwd(x: jax.Array, a: jax.Array, b: jax.Array, n_in: int) -> tuple[jax.Array, tuple]:
+    xa = jnp.tensordot(x, a, axes=n_in)  # [*lead, r]
+    return jnp.tensordot(xa, b, axes=1), (x, a, b, xa)
+
+
+def _lora_delta_bwd(n_in: int, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, a, b, xa = res
+    lead = xa.ndim - 1
+    n_out = b.ndim - 1
+    out_axes = tuple(range(lead, lead + n_out))
+    dxa = jnp.tensordot(dy, b, axes=(out_axes, tuple(range(1, b.ndim))))  # [*lead, r]
+    # [r, *lead] copies of the two rank-r arrays; the barrier keeps XLA from folding the
+    # transposes back into the dots (which would bring back the big transposed copies).
+    xa_t, dxa_t = jax.lax.optimization_barrier((jnp.moveaxis(xa, -1, 0), jnp.moveaxis(dxa, -1, 0)))
+    toks = tuple(range(1, lead + 1))
+    db = jnp.tensordot(xa_t, dy, axes=(toks, tuple(range(lead)))).astype(b.dtype)  # [r, *out]
+    da_t = jnp.tensordot(dxa_t, x, axes=(toks, tuple(range(lead))))  # [r, *in]
+    da = jnp.moveaxis(da_t, 0, -1).astype(a.dtype)  # [*in, r]
+    dx = jnp.tensordot(dxa, a, axes=(-1, -1)).astype(x.dtype)  # [*lead, *in]
+    return dx, da, db
+
+
+lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
 
 
 class MLP(nnx.Module):
@@ -126,15 +164,9 @@ class GatedAttention(nnx.Module):
             k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
             v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cache is None:
-            o = attention(
-                q,
-                k,
-                v,
-                q_positions=positions,
-                kv_positions=positions,
-                q_segments=segment_ids,
-                kv_segments=segment_ids,
-            )
+            # Positions increase within each segment here, so the blocked causal core (by index)
+            # equals the positional mask of `attention` without computing the masked half.
+            o = causal_attention(q, k, v, segments=segment_ids)
             new_cache = None
         else:
             with jax.named_scope("cache_update"):
