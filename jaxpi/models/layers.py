@@ -280,6 +280,7 @@ class GatedDeltaNet(nnx.Module):
                     g,
                     beta,
                     chunk_size=cfg.gdn_chunk_size,
+                    impl=cfg.gdn_impl,
                     initial_state=state,
                     segment_ids=segment_ids,
                 )

@@ -252,9 +252,7 @@ def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
     else:
         base_dir = prepare_base(cfg, run_dir)  # type: ignore[arg-type]  # reads model.* and train.seed
         lora_cfg, tokenizer_dir = cfg.lora, base_dir
-    model_cfg, model = load_hf(
-        base_dir, jnp.dtype(cfg.model.dtype), config_overrides={"remat": cfg.model.remat}
-    )
+    model_cfg, model = load_hf(base_dir, jnp.dtype(cfg.model.dtype), config_overrides=cfg.model.overrides())
     add_lora(model, lora_cfg, key=key)
     if adapter is not None:
         nnx.update(model, adapter)

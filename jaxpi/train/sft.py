@@ -53,6 +53,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
     remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch
     tiny_layers: int = 4  # depth of the "tiny-random" base
+    gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, "jax" | "pallas"
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -63,6 +64,12 @@ class ModelConfig:
             raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.tiny_layers < 1:
             raise ValueError(f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
+        if self.gdn_impl not in ("jax", "pallas"):
+            raise ValueError(f"model.gdn_impl must be jax or pallas, got {self.gdn_impl!r}")
+
+    def overrides(self) -> dict[str, str]:
+        """The runtime knobs of QwenConfig this section sets (for `load_hf(config_overrides=...)`)."""
+        return {"remat": self.remat, "gdn_impl": self.gdn_impl}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +456,7 @@ def build_trainer(cfg: SFTConfig, base_dir: Path, model_cfg: Any, key: Any) -> T
         strategy = get_strategy(cfg.sharding.strategy or "fsdp")
         build = lambda: Qwen3_5ForCausalLM(model_cfg, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
         loader = loader_shardings(nnx.state(nnx.eval_shape(build), nnx.Param), strategy, mesh)
-    _, model = load_hf(base_dir, dtype, shardings=loader, config_overrides={"remat": cfg.model.remat})
+    _, model = load_hf(base_dir, dtype, shardings=loader, config_overrides=cfg.model.overrides())
     add_lora(model, cfg.lora, key=key)
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
@@ -549,7 +556,7 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
     _write_atomic(run_dir / "config.json", json.dumps(config_dict, indent=2))
 
     base_dir = prepare_base(cfg, run_dir)
-    model_cfg = QwenConfig.from_hf(base_dir).replace(remat=cfg.model.remat)
+    model_cfg = QwenConfig.from_hf(base_dir).replace(**cfg.model.overrides())
     data = prepare_data(cfg, base_dir, model_cfg.vocab_size)
     _write_atomic(run_dir / "data_report.json", json.dumps(data.report, indent=2))
     print(_report_text(data.report, cfg), file=out, flush=True)
