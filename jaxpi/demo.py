@@ -7,7 +7,8 @@
                 jaxpi's with the same adapter, on a held-out demo session
     5. grpo     the toy-scale effort-ordered GRPO result (`jaxpi.rl.toy_result`): SFT that breaks
                 cost ordering, then effort-ordered vs binary GRPO from it, and their table
-                (two updates each; `--full` runs the whole comparison, configs/grpo/toy.yaml)
+                (short: the toy-random base, two updates each; `--full` runs the whole
+                comparison on the toy-copy base, configs/sft/toy.yaml and configs/grpo/toy.yaml)
 
 Each stage is skipped when its output already exists, so a rerun picks up where it stopped.
 """
