@@ -1,7 +1,8 @@
 """`jaxpi grpo` end to end on the toy environment, as a user runs it: a short toy SFT
-(configs/sft/toy.yaml on the "toy-random" base, without the copy pre-training, values 0-1: the
-policy answers in the right format often enough that some groups hold both outcomes), then GRPO
-runs in subprocesses — uninterrupted, SIGKILLed and resumed (must repeat the uninterrupted run
+(configs/sft/toy.yaml on the "toy-random" base, without the copy pre-training, 60 steps on short
+unkeyed sessions with values 0-1 and 1-4 phrases of reasoning at every level: the policy answers
+in the right format, and within a group the lengths differ, so the effort-ordered reward of low
+and medium attempts varies), then GRPO runs in subprocesses — uninterrupted, SIGKILLed and resumed (must repeat the uninterrupted run
 exactly), resumed with a changed reward (refused) — and `jaxpi report` on the result. These check
 the machinery, not learning (the toy-scale result is `make demo-full`).
 """
@@ -24,12 +25,19 @@ from jaxpi.train.sft import SFTConfig, run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIONS = 3
-SFT_STEPS = 300
+SFT_STEPS = 60
+# Short sessions (17-40 reasoning tokens, 1-4 phrases, at every level; ~330 tokens in all) keep
+# sampling and updates cheap; the spread gives groups different rewards.
+REASONING = "[17,40,17,40,17,40]"
 # A collection: 2 tasks x 3 levels x 2 attempts; rows padded to one length (one update program).
 SMALL = [
+    "env.keys_per_task=0",
+    "env.max_value=2",
     "collect.tasks=2",
     "collect.group=2",
-    "collect.row_bucket=512",
+    "collect.max_new_tokens=64",
+    "collect.max_context=384",
+    "collect.row_bucket=384",
     f"train.collections={COLLECTIONS}",
     "train.checkpoint_every=1",
     "train.eval_every=0",
@@ -49,6 +57,9 @@ def sft_dir(tmp_path_factory):
             f"output.dir={out}",
             "model.base=toy-random",
             "data.toy_max_value=2",
+            f"data.toy_reasoning={REASONING}",
+            "data.toy_examples=96",
+            "data.seq_len=384",
             f"train.steps={SFT_STEPS}",
             "train.eval_every=0",
             f"train.checkpoint_every={SFT_STEPS}",
