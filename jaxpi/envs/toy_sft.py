@@ -11,9 +11,13 @@ unkeyed tasks (`ToySFTConfig.keys_per_task=0`, the default; `get()` takes no arg
 
 PHRASES is a fixed cycle of short phrases ("need the value.", "call get.", ...); how many of them
 a session has is drawn per level so that the attempt's reasoning tokens fall in that level's range
-(default low 34-52, medium 12-28, xhigh 52-80: low is longer than medium). With the tiny
-tokenizer 1..7 phrases give 17, 23, 31, 40, 50, 58, 68 tokens, so low draws 4-5 phrases, medium
-1-2 and xhigh 6-7: two lengths per level, the spread GRPO compares within a group. Keyed tasks
+(default low 17-68, medium 31-40, xhigh 68-90). With the tiny tokenizer 1..9 phrases give 17, 23,
+31, 40, 50, 58, 68, 81, 90 tokens, so low draws 1-7 phrases (mean 41 tokens), medium 3-4 (35.5)
+and xhigh 7-9 (80): low is longer than medium on average, and its spread reaches below medium,
+where effort-ordered GRPO can move it (the reward is flat below the reference, so a low level
+whose every length sat above medium's would stop at medium's length). Medium never stops before
+phrase 3, so a KL pull to the SFT policy holds it there while the shared adapter learns to
+shorten low. Keyed tasks
 (`keys_per_task >= 1`) name the key in every phrase ("key (ka).") and in the call.
 
 The rows are not rendered by hand: a scripted engine replays the intended turns through the real
@@ -41,12 +45,20 @@ tokens a turn, 3 turns, context 512):
 
     toy-copy pre-training   120 steps of 8 rows, 160 s: loss 0.027, held-out answer token right
                             on 64/64 sessions (pretrain.json)
-    LoRA SFT                150 steps of 4 rows, ~3 min: loss 0.010, val 0.011
+    LoRA SFT, ranges low 34-52, medium 12-28, xhigh 52-80 (4-5, 1-2, 6-7 phrases):
+                            150 steps of 4 rows, ~3 min: loss 0.010, val 0.011
     level    attempts  pass  malformed  reasoning mean ± std (min-max)
     low          64    0.91    0.03        44.4 ±  9.5 (4-55)
     medium       64    0.98    0.02        18.5 ±  2.9 (10-23)
     xhigh        64    0.97    0.02        65.8 ±  7.6 (24-87)
     T_L/T_M = 2.40, T_M/T_H = 0.28     (64 s)
+
+With the default ranges (low 1-7 phrases, medium 3-4, xhigh 7-9; configs/sft/toy.yaml, 300 steps,
+in `jaxpi demo --full`), the held-out evaluation before GRPO (24 tasks x 2 attempts a level):
+pass 0.98 / 1.00 / 1.00, reasoning 40.0 / 33.9 / 75.2 tokens (low / medium / xhigh), T_L/T_M 1.18
+[1.04, 1.34], T_M/T_H 0.45; admitted 98 / 100 / 96%. Low's mean sits nearer medium than the
+ranges' (41 vs 35.5 per the data) because its spread is wide; one collection of 16 low attempts
+can come out shorter than medium.
 
 A guess passes 1 time in 10, so these pass rates are the copy, and the ordering violation is the
 one the data put there.
