@@ -149,7 +149,7 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
         from jaxpi.bench.gdn import gdn_bench
 
         say("chunked gated delta rule")
-        results["gdn"] = gdn_bench(bench, vs_torch=vs_torch)
+        results["gdn"] = gdn_bench(bench, vs_torch=vs_torch, impl=args.impl)
     if command in ("decode", "all"):
         from jaxpi.bench.decode import decode_bench
 
@@ -222,8 +222,15 @@ def format_table(report: dict[str, Any]) -> str:
             "",
             f"gdn (chunked gated delta rule, B {s['batch']} T {s['seq']} H {s['heads']} "
             f"Dk {s['dk']} Dv {s['dv']} chunk {s['chunk']})",
-            f"  jaxpi    fwd {_f(g['jaxpi']['fwd_s'], 1e3)} ms   fwd+bwd {_f(g['jaxpi']['fwd_bwd_s'], 1e3)} ms",
+            f"  jaxpi    fwd {_f(g['jaxpi']['fwd_s'], 1e3)} ms   fwd+bwd {_f(g['jaxpi']['fwd_bwd_s'], 1e3)} ms"
+            f"   ({g.get('impl', 'jax')}{', interpreted' if g.get('interpreted') else ''})",
         ]
+        if "plain_jax" in g:
+            lines += [
+                f"  plain JAX fwd {_f(g['plain_jax']['fwd_s'], 1e3)} ms   fwd+bwd {_f(g['plain_jax']['fwd_bwd_s'], 1e3)} ms",
+                f"  plain JAX / pallas time: fwd {g['speedup_pallas_fwd']:.2f}×   fwd+bwd "
+                f"{g['speedup_pallas_fwd_bwd']:.2f}×   max |Δ out| {g['max_abs_diff_pallas_vs_plain']:.2e}",
+            ]
         if "torch" in g:
             lines += [
                 f"  torch    fwd {_f(g['torch']['fwd_s'], 1e3)} ms   fwd+bwd {_f(g['torch']['fwd_bwd_s'], 1e3)} ms",
@@ -324,6 +331,13 @@ def add_subparser(sub: Any) -> None:
             p.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated")
             p.add_argument("--new-tokens", type=int, default=None, help="default: 16 (tiny), 64 (mid)")
             p.add_argument("--prompt-len", type=int, default=8)
+        if name in ("gdn", "all"):
+            p.add_argument(
+                "--impl",
+                choices=["jax", "pallas"],
+                default="jax",
+                help="jaxpi's DeltaNet kernel (pallas: also times jax)",
+            )
         if name == "all":
             p.add_argument("--compile-layers", default="8,16,64")
         if name == "profile":
