@@ -30,9 +30,18 @@ GRPO_CONFIG = CONFIGS / "grpo" / "toy.yaml"
 
 # (SFT overrides, GRPO overrides) of the two sizes. The short one skips the toy-copy base's
 # pre-training (~3 min): its policy learns the format but not the copy, so it shows the machinery.
+# Its values are 0-1: a well-formed guess passes half the time, so groups have the successes the
+# effort-ordered reward needs for a reference (with values 0-9 and no copy, no group reaches
+# n_min medium successes, the reward reduces to binary and the two runs coincide).
 SHORT: tuple[tuple[str, ...], tuple[str, ...]] = (
-    ("model.base=toy-random", "train.steps=150"),
-    ("train.collections=2", "train.eval_every=0", "train.checkpoint_every=2", "env.eval_tasks=8"),
+    ("model.base=toy-random", "train.steps=150", "data.toy_max_value=2"),
+    (
+        "train.collections=2",
+        "train.eval_every=0",
+        "train.checkpoint_every=2",
+        "env.eval_tasks=8",
+        "env.max_value=2",
+    ),
 )
 FULL: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the configs as shipped
 KINDS = (("effort_ordered", "effort-ordered GRPO"), ("binary", "binary GRPO"))
