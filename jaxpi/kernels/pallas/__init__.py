@@ -1,5 +1,14 @@
-"""Pallas kernels (GPU Triton, TPU Mosaic; interpreted on CPU). `gdn`: the gated delta rule's chunk recurrence."""
+"""Pallas kernels (GPU Triton, TPU Mosaic; interpreted on CPU). `gdn`: the gated delta rule's chunk
+recurrence; `norms`: the fused RMSNorm and gated RMSNorm."""
 
 from jaxpi.kernels.pallas.gdn import KernelOptions, pallas_chunk_gated_delta_rule, pallas_chunk_scan
+from jaxpi.kernels.pallas.norms import NormOptions, pallas_gated_rms_norm, pallas_rms_norm
 
-__all__ = ["KernelOptions", "pallas_chunk_gated_delta_rule", "pallas_chunk_scan"]
+__all__ = [
+    "KernelOptions",
+    "NormOptions",
+    "pallas_chunk_gated_delta_rule",
+    "pallas_chunk_scan",
+    "pallas_gated_rms_norm",
+    "pallas_rms_norm",
+]
