@@ -44,6 +44,7 @@ class QwenConfig:
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
     gdn_impl: str = "jax"  # the chunked gated delta rule: "jax" (plain JAX) or "pallas" (kernels)
+    norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
     remat: str = "none"
     scan_layers: bool = True
     # HF fields we carry through untouched (token ids, rope extras such as mrope_section).
@@ -83,6 +84,8 @@ class QwenConfig:
             errors.append(f"gdn_chunk_size {self.gdn_chunk_size} must be a power of two")
         if self.gdn_impl not in ("jax", "pallas"):
             errors.append(f"gdn_impl {self.gdn_impl!r} is not one of ('jax', 'pallas')")
+        if self.norm_impl not in ("jax", "pallas"):
+            errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
         if errors:
             raise ValueError("invalid QwenConfig: " + "; ".join(errors))
 

@@ -22,6 +22,9 @@ The forward saves only x (and z) and recomputes r, as a fused kernel does.
 `inject_bug(name)` swaps in a known-bad backward (the forward is untouched) so that the parity
 harness can prove it catches the class of bug where a fused norm keeps the loss and changes the
 gradients (see `KNOWN_BUGS`).
+
+`impl="pallas"` runs the same functions as Pallas kernels (`jaxpi.kernels.pallas.norms`); these
+plain-JAX versions stay the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+IMPLS = ("jax", "pallas")
 KNOWN_BUGS: dict[str, str] = {
     "rmsnorm-dx-no-offset": "RMSNorm dX uses w instead of (1 + w)",
     "rmsnorm-dx-double-weight": "RMSNorm dX applies the weight twice in its variance term",
@@ -138,14 +142,37 @@ _RMS = {b: _make_rms_norm(b) for b in (None, "rmsnorm-dx-no-offset", "rmsnorm-dx
 _GATED = {b: _make_gated_norm(b) for b in (None, "gated-norm-pre-gate")}
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Zero-centred RMSNorm over the last axis: `x̂ · (1 + w)`; x `[..., D]`, weight `[D]`."""
-    return _RMS.get(_active_bug, _RMS[None])(x, weight, eps)
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, impl: str = "jax") -> jax.Array:
+    """Zero-centred RMSNorm over the last axis: `x̂ · (1 + w)`; x `[..., D]`, weight `[D]`.
+
+    impl: "jax" (these custom_vjp functions: the reference and the CPU path) or "pallas" (the same
+    math as Pallas kernels, `jaxpi.kernels.pallas.norms`: compiled on GPU/TPU, interpreted on CPU).
+    `inject_bug` swaps the backward of the "jax" path only; the Pallas kernels ignore it.
+    """
+    if impl == "jax":
+        return _RMS.get(_active_bug, _RMS[None])(x, weight, eps)
+    if impl == "pallas":
+        # imported here: the Pallas kernels are only traced when asked for
+        from jaxpi.kernels.pallas.norms import pallas_rms_norm
+
+        return pallas_rms_norm(x, weight, eps)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Gated RMSNorm over the last axis: `w · x̂ · silu(gate)`; x, gate `[..., D]`, weight `[D]`."""
-    return _GATED.get(_active_bug, _GATED[None])(x, gate, weight, eps)
+def gated_rms_norm(
+    x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6, *, impl: str = "jax"
+) -> jax.Array:
+    """Gated RMSNorm over the last axis: `w · x̂ · silu(gate)`; x, gate `[..., D]`, weight `[D]`.
+
+    impl: "jax" or "pallas", as for `rms_norm` (`inject_bug` applies to "jax" only).
+    """
+    if impl == "jax":
+        return _GATED.get(_active_bug, _GATED[None])(x, gate, weight, eps)
+    if impl == "pallas":
+        from jaxpi.kernels.pallas.norms import pallas_gated_rms_norm
+
+        return pallas_gated_rms_norm(x, gate, weight, eps)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:

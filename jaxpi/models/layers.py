@@ -157,8 +157,8 @@ class GatedAttention(nnx.Module):
             q, gate = qg[..., :hd], qg[..., hd:]
             k = project(self, "k_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
             v = project(self, "v_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
             q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
             k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
@@ -286,7 +286,7 @@ class GatedDeltaNet(nnx.Module):
                 )
         with jax.named_scope("out"):
             z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", dropout_key=dropout_key)
-            o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)
+            o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
             y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key)
         new_cache = (
             None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
@@ -313,11 +313,16 @@ class DecoderLayer(nnx.Module):
         """`dropout_key` (this layer's) drives LoRA dropout; mixer and MLP modules have distinct
         names, so one key gives each module its own mask."""
         eps, act = self.cfg.rms_norm_eps, ("batch", "seq", "embed")
+        impl = self.cfg.norm_impl
         with jax.named_scope("mixer"):
-            y, cache = self.mixer(rms_norm(h, self.input_norm[...], eps), dropout_key=dropout_key, **kw)
+            y, cache = self.mixer(
+                rms_norm(h, self.input_norm[...], eps, impl=impl), dropout_key=dropout_key, **kw
+            )
             h = constrain(h + y, act)
         with jax.named_scope("mlp"):
-            h = constrain(h + self.mlp(rms_norm(h, self.post_norm[...], eps), dropout_key=dropout_key), act)
+            h = constrain(
+                h + self.mlp(rms_norm(h, self.post_norm[...], eps, impl=impl), dropout_key=dropout_key), act
+            )
         return h, cache
 
 

@@ -190,7 +190,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             tail_cache.append(c)
         if new_cache is not None:
             new_cache["tail"] = tuple(tail_cache)
-        return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
+        return rms_norm(h, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl), new_cache
 
     def _run_block(self, block: DecoderLayer, h: jax.Array, cache: dict | None, kw: dict) -> tuple:
         # Functional (split/merge) rather than nnx.remat: the block's variables may come from an

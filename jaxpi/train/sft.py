@@ -54,6 +54,7 @@ class ModelConfig:
     remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch
     tiny_layers: int = 4  # depth of the "tiny-random" base
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, "jax" | "pallas"
+    norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -66,10 +67,12 @@ class ModelConfig:
             raise ValueError(f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
         if self.gdn_impl not in ("jax", "pallas"):
             raise ValueError(f"model.gdn_impl must be jax or pallas, got {self.gdn_impl!r}")
+        if self.norm_impl not in ("jax", "pallas"):
+            raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
 
     def overrides(self) -> dict[str, str]:
         """The runtime knobs of QwenConfig this section sets (for `load_hf(config_overrides=...)`)."""
-        return {"remat": self.remat, "gdn_impl": self.gdn_impl}
+        return {"remat": self.remat, "gdn_impl": self.gdn_impl, "norm_impl": self.norm_impl}
 
 
 @dataclasses.dataclass(frozen=True)
