@@ -21,13 +21,16 @@ from jaxpi.rollout.sampling import nucleus_logprobs, sample_tokens
 CFG = TINY.replace(num_hidden_layers=9)
 FWD = jax.jit(lambda m, x: m(x))
 MAX_LEN = 96
-# Engine vs trainer log-probs: fp32 noise, measured up to 1.3e-5 here (mean 2e-6). Against a float64
-# forward both sides are off by as much (engine up to 2.2e-5, trainer 1.7e-5), and it stays ~1.2e-5
-# with the same recurrent delta rule in both: XLA's fp32 matmuls round by shape ([4, 1, D] rows vs
-# [1, 96, D] rows differ by ~3 ulp), and this random model amplifies that, mostly in the DeltaNet
-# output norm (rows of o with rms ~1e-5 are scaled by up to 1/sqrt(eps) = 1000). Wrong weights or
-# an off-by-one position differ by > 1e-2.
-TOL = 2e-5
+# Engine vs trainer log-probs (the bar, 1e-5): measured max 8.6e-6 over this file's 128
+# compared tokens (mean 1.5e-6). In float64 the two agree to 3e-14 (tests/test_engine_fp64.py),
+# so the gap is float32 rounding: the first op that differs is the LoRA product x·A (XLA's CPU dot
+# rounds a [1, 64]×[64, 4] row and the same row inside [49, 64]×[64, 4] an ulp apart; the base
+# projections agree bitwise), and the model amplifies it: the DeltaNet output norm scales heads
+# whose output has rms ~1e-4 (a cancellation, ~1e-4 relative error in any float32 order) by up to
+# 1/sqrt(eps) = 1000. How much is the random model's conditioning: other fixture seeds give 1.0e-5
+# (seed 6) and 5.9e-5 (seed 7) in this same scenario. Wrong weights or an off-by-one position
+# differ by > 1e-2.
+TOL = 1e-5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 
 
