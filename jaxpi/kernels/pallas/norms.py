@@ -16,7 +16,8 @@ recomputes r from the x row it loads anyway.
 dw is the one reduction across rows. The kernels write one partial sum per row block
 ([blocks, D] float32) and JAX adds them: the blocks run in parallel, and a single accumulator
 would need atomics on GPU (float sums in a non-deterministic order) or a sequential grid axis on
-TPU. The partials cost ~2/block_rows of x's size at bf16.
+TPU. The partials cost 2/block_rows of x's size at bf16: 1/32 at 64 rows per block, but GPU
+blocks shrink for short inputs (to fill the SMs), down to one row, where they outweigh a small x.
 
 Platforms: `interpret=None` chooses at lowering time (`lax.platform_dependent`): Triton on GPU,
 Mosaic on TPU, the GPU kernels in Pallas' interpreter on CPU. `interpret=True` forces that
@@ -32,7 +33,7 @@ import functools
 from collections.abc import Callable
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jaxpi.kernels.pallas.norms_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.norms_tpu import tpu_backward, tpu_forward
@@ -96,7 +97,8 @@ def _per_platform(build: Callable[[str], Callable], opts: NormOptions, *args: ja
 
 
 def _rows(a: jax.Array) -> jax.Array:
-    return a.reshape(-1, a.shape[-1])  # [..., D] -> [R, D]
+    # [..., D] -> [R, D]: the feature axis is the minor one, so no copy
+    return a.reshape(-1, a.shape[-1])
 
 
 def _forward(x: jax.Array, z: jax.Array | None, w: jax.Array, eps: float, opts: NormOptions) -> jax.Array:
@@ -115,6 +117,7 @@ def _forward(x: jax.Array, z: jax.Array | None, w: jax.Array, eps: float, opts: 
 
         return run
 
+    # only arrays pass through platform_dependent: the gate is present or absent, never None
     arrays = (_rows(x), w) if z is None else (_rows(x), _rows(z), w)
     return _per_platform(build, opts, *arrays).reshape(x.shape)
 
@@ -133,6 +136,8 @@ def _backward(x, z, w, dy, eps: float, opts: NormOptions):
                 kw = dict(eps=eps, block_rows=opts.gpu_block_rows(x2.shape[0]), tile_rows=opts.tile_rows)
                 kw.update(interpret=mode == "interpret", num_warps=opts.num_warps)
                 dx, dz, dw = gpu_backward(x2, zz, w_, dy2, **kw)
+            # dw is already summed over the row blocks: the branches' partials have different
+            # layouts ([blocks, D] GPU, [blocks, 1, D] TPU) and platform_dependent needs one result type
             return (dx, dw) if dz is None else (dx, dz, dw)
 
         return run
@@ -144,8 +149,8 @@ def _backward(x, z, w, dy, eps: float, opts: NormOptions):
 
 def _check_shapes(x: jax.Array, w: jax.Array, z: jax.Array | None = None) -> None:
     """Errors that name the tensor: the kernels index by shape and would read out of bounds otherwise."""
-    if x.ndim < 1 or np.shape(w) != (x.shape[-1],):
-        raise ValueError(f"norm weight has shape {np.shape(w)}, expected ({x.shape[-1]},) for x {x.shape}")
+    if x.ndim < 1 or jnp.shape(w) != (x.shape[-1],):
+        raise ValueError(f"norm weight has shape {jnp.shape(w)}, expected ({x.shape[-1]},) for x {x.shape}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"gated norm gate has shape {z.shape}, expected x's shape {x.shape}")
 
@@ -159,6 +164,7 @@ def _rms(x: jax.Array, w: jax.Array, eps: float, opts: NormOptions) -> jax.Array
 
 
 def _rms_fwd(x, w, eps, opts):
+    # residuals: the inputs only (r is recomputed in the backward kernel from the row it loads)
     return _forward(x, None, w, eps, opts), (x, w)
 
 

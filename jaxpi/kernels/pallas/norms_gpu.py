@@ -41,7 +41,7 @@ def _load_weight(w_ref, d_pad: int) -> jax.Array:
 def _forward_kernel(*refs, eps: float, gated: bool, block_rows: int, tile_rows: int, d_pad: int):
     """x (, z) [R, D], w [D] -> y [R, D]."""
     x_ref, *z_ref, w_ref, y_ref = refs
-    w = _load_weight(w_ref, d_pad)
+    w = _load_weight(w_ref, d_pad)  # once per program, reused by every row tile
     steps = block_rows // tile_rows
     # read outside the loop: the generic interpreter substitutes program ids at the kernel's top level
     first = pl.program_id(0) * steps
@@ -101,6 +101,7 @@ def _call(kernel, arrays, out_shape, *, eps, gated, block_rows, tile_rows, inter
         grid=(pl.cdiv(rows, block_rows),),
         out_shape=out_shape,
         interpret=interpret,
+        # one stage: software pipelining serves loops of dots; each tile here is loaded once
         compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=("gated_rms_norm_" if gated else "rms_norm_") + kernel.__name__.split("_")[1],
     )(*arrays)

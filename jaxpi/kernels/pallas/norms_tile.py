@@ -42,7 +42,9 @@ def backward_tile(
     else:
         sig = jax.nn.sigmoid(z)
         silu = z * sig
+        # silu'(z) = σ(z) · (1 + z · (1 − σ(z))), from the σ already computed
         dz = dy * w * xh * (sig * (1.0 + z * (1.0 - sig)))
         g, dw_rows = dy * w * silu, dy * xh * silu
+    # ĝ's component along x̂ drops out: scaling a row leaves its x̂ unchanged
     dx = r * (g - xh * (jnp.sum(g * xh, axis=-1, keepdims=True) / d))
     return dx, dz, dw_rows

@@ -51,6 +51,7 @@ def _backward_kernel(*refs, eps: float, gated: bool, rows: int):
 def _call(kernel, arrays, out_shape, *, block_rows: int, interpret: bool, name: str):
     rows, d = arrays[0].shape
     row_block = pl.BlockSpec((block_rows, d), lambda i: (i, 0))
+    # the same weight block at every step: the pipeline fetches it once
     weight = pl.BlockSpec((1, d), lambda i: (0, 0))
     partial = pl.BlockSpec((None, 1, d), lambda i: (i, 0, 0))
     in_specs = [weight if a.ndim == 1 else row_block for a in arrays]
