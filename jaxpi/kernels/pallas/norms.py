@@ -46,12 +46,12 @@ _GPU_MIN_PROGRAMS = 264
 
 @dataclasses.dataclass(frozen=True)
 class NormOptions:
-    """How the kernels run. `block_rows`: rows per program (None: per platform, GPU up to 64, TPU
-    ~2^18 / D rounded to 16); on GPU a power of two, on TPU a multiple of 8. `tile_rows`: rows per loop step of a
-    GPU program (None: ~2048 elements per tile), a power of two. `interpret`: None = interpret on CPU,
-    compile on GPU/TPU; True = the generic interpreter everywhere; "tpu" = the TPU kernels in Pallas'
-    TPU interpreter; False = compile only. `num_warps`: Triton's (None: from the tile size; not tuned
-    on hardware yet)."""
+    """How the kernels run. `block_rows`: rows per program (None: per platform, GPU up to 64,
+    TPU ~2^18 / D rounded to 16); on GPU a power of two, on TPU a multiple of 8. `tile_rows`: rows
+    per loop step of a GPU program (None: ~2048 elements per tile), a power of two. `interpret`:
+    None = interpret on CPU, compile on GPU/TPU; True = the generic interpreter everywhere; "tpu" =
+    the TPU kernels in Pallas' TPU interpreter; False = compile only. `num_warps`: Triton's (None:
+    from the tile size). None of the defaults has been tuned on hardware yet."""
 
     block_rows: int | None = None
     tile_rows: int | None = None
