@@ -18,7 +18,12 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
     3·2·T²·Hq·Dh      per attention layer (causal half of QKᵀ and PV; backward = 2× forward)
     3·2·T·H·(C(3Dk+2Dv) + 3DkDv)   per DeltaNet layer (chunk size C; the (I+A)⁻¹ not counted)
 
-    python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny]
+    python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
+
+`--impl` lists the kernel paths to measure: "jax" (plain JAX) and/or "pallas" (the Pallas gated
+delta rule and norms, `gdn_impl` / `norm_impl`). The gdn stage times each path on the same inputs
+and records the largest output difference from the plain path; the step stage runs once per path
+(`step_seq8192`, `step_seq8192_pallas`).
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def stage_matmul(sizes: list[int]) -> float:
     return best * 1e12
 
 
-def stage_gdn(cfg: QwenConfig, seq: int) -> None:
+def stage_gdn(cfg: QwenConfig, seq: int, impls: list[str]) -> None:
     h, dk, dv, c = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 64
     ks = jax.random.split(jax.random.key(2), 5)
     q = jax.random.normal(ks[0], (1, seq, h, dk), jnp.bfloat16)
@@ -113,19 +118,32 @@ def stage_gdn(cfg: QwenConfig, seq: int) -> None:
     v = jax.random.normal(ks[2], (1, seq, h, dv), jnp.bfloat16)
     g = -jax.nn.softplus(jax.random.normal(ks[3], (1, seq, h), jnp.float32))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, seq, h), jnp.float32))
-    fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk_size=c)[0])
-
-    def loss(q, k, v, g, beta):
-        return jnp.sum(chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c)[0].astype(jnp.float32))
-
-    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    res = {
-        "shape": [1, seq, h, dk, dv],
-        "chunk": c,
-        "jax_fwd": stats(timed(lambda: fwd(q, k, v, g, beta), warmup=2, reps=5)),
-        "jax_fwd_bwd": stats(timed(lambda: bwd(q, k, v, g, beta), warmup=2, reps=5)),
-    }
+    res: dict = {"shape": [1, seq, h, dk, dv], "chunk": c}
     RESULTS["gdn"] = res
+    outputs = {}
+    for impl in impls:
+        fwd = jax.jit(lambda *a, impl=impl: chunk_gated_delta_rule(*a, chunk_size=c, impl=impl)[0])
+
+        def loss(q, k, v, g, beta, impl=impl):
+            out = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=impl)[0]
+            return jnp.sum(out.astype(jnp.float32))
+
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        res[f"{impl}_fwd"] = stats(timed(lambda fwd=fwd: fwd(q, k, v, g, beta), warmup=2, reps=5))
+        res[f"{impl}_fwd_bwd"] = stats(timed(lambda bwd=bwd: bwd(q, k, v, g, beta), warmup=2, reps=5))
+        outputs[impl] = np.asarray(fwd(q, k, v, g, beta).astype(jnp.float32))
+        save(OUT)
+    if "jax" in outputs and "pallas" in outputs:
+        ref = outputs["jax"]
+        res["pallas_max_abs_diff_over_max_abs"] = float(
+            np.abs(outputs["pallas"] - ref).max() / np.abs(ref).max()
+        )
+        for part in ("fwd", "fwd_bwd"):
+            res[f"speedup_{part}_pallas_over_jax"] = (
+                res[f"jax_{part}"]["median_s"] / res[f"pallas_{part}"]["median_s"]
+            )
+    if "jax" not in impls:
+        return
     try:
         import torch
 
@@ -200,8 +218,10 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) ->
         "lora_rank": rank,
         "remat": cfg.remat,
         "layers": cfg.num_hidden_layers,
+        "gdn_impl": cfg.gdn_impl,
+        "norm_impl": cfg.norm_impl,
     }
-    RESULTS[f"step_seq{seq}"] = res
+    RESULTS[step_name(seq, cfg.gdn_impl)] = res
 
     def build() -> Qwen3_5ForCausalLM:
         m = Qwen3_5ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -254,6 +274,10 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) ->
     res["bytes_limit_gib"] = ms.get("bytes_limit", 0) / 2**30
 
 
+def step_name(seq: int, impl: str) -> str:
+    return f"step_seq{seq}" + ("" if impl == "jax" else f"_{impl}")
+
+
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,15 +290,27 @@ def main() -> int:
     ap.add_argument("--matmul-n", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run of this script)")
     ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: matmul gdn step")
+    ap.add_argument(
+        "--impl", nargs="+", default=["jax"], choices=["jax", "pallas"], help="kernel paths to measure"
+    )
     args = ap.parse_args()
     OUT = args.out
     cfg = (TINY if args.tiny else QWEN3_5_27B).replace(remat=args.remat)
+
+    def kernels(impl: str) -> QwenConfig:
+        return cfg.replace(gdn_impl=impl, norm_impl=impl)
+
     stage_env()
     save(OUT)
     peak = 0.0
-    stages = [("matmul", lambda: stage_matmul(args.matmul_n)), ("gdn", lambda: stage_gdn(cfg, args.seq[0]))]
+    stages = [
+        ("matmul", lambda: stage_matmul(args.matmul_n)),
+        ("gdn", lambda: stage_gdn(cfg, args.seq[0], args.impl)),
+    ]
     stages += [
-        (f"step_seq{s}", lambda s=s: stage_step(cfg, s, args.steps, args.rank, peak)) for s in args.seq
+        (step_name(s, impl), lambda s=s, impl=impl: stage_step(kernels(impl), s, args.steps, args.rank, peak))
+        for s in args.seq
+        for impl in args.impl
     ]
     for name, fn in stages:
         if name.split("_")[0] in args.skip:
@@ -292,7 +328,13 @@ def main() -> int:
         save(OUT)
         if name.startswith("step_") and name in RESULTS.get("errors", {}) and args.fallback_seq:
             s, args.fallback_seq = args.fallback_seq, None
-            stages.append((f"step_seq{s}", lambda s=s, p=peak: stage_step(cfg, s, args.steps, args.rank, p)))
+            stages += [
+                (
+                    step_name(s, impl),
+                    lambda s=s, impl=impl, p=peak: stage_step(kernels(impl), s, args.steps, args.rank, p),
+                )
+                for impl in args.impl
+            ]
         print(json.dumps({k: v for k, v in RESULTS.items() if k != "env"}, default=str)[:3000], flush=True)
     return 0
 
