@@ -288,6 +288,7 @@ def test_bad_attempt_fields_and_reward_shapes():
         ({"phi_scale": -1.0}, "phi_scale must be a finite number > 0"),
         ({"std_scale": True}, "std_scale is only for kind='binary'"),
         ({"kind": "binary", "std_eps": 0.0}, "std_eps must be > 0"),
+        ({"malformed": "drop"}, r"reward.malformed must be one of \['exclude', 'fail'\]"),
     ],
 )
 def test_config_validation(fields, message):
@@ -309,3 +310,82 @@ def test_numpy_scalars_from_a_loop_are_accepted():
 def test_config_from_yaml_style_overrides():
     cfg = load_config(RewardConfig, None, ["levels=[low,xhigh]", "phi=rational", "b_min=100", "n_min=3"])
     assert cfg == RewardConfig(levels=("low", "xhigh"), phi="rational", b_min=100.0, n_min=3)
+
+
+# ---- malformed attempts: left out ("exclude", the default) or scored as failures ("fail") -------
+
+FAIL = RewardConfig(n_min=2, b_min=10.0, phi="exp", phi_scale=1.0, malformed="fail")
+E025 = math.exp(-0.25)
+MAL = [
+    att("t", "xhigh", True, 100),  # 0  S(t,H) = {100, 300}: B_H = 200 under both settings
+    att("t", "xhigh", True, 300),  # 1
+    att("t", "xhigh", False, 40, admitted=False, malformed=True),  # 2  broke the format
+    att("t", "medium", True, 150),  # 3  held to B_H = 200: under it, R = 1
+    att("t", "medium", True, 250),  # 4  z = 0.25
+    att("t", "medium", False, 20),  # 5
+    att("t", "medium", False, 5, admitted=False, malformed=True),  # 6
+    att("t", "low", True, 400),  # 7  held to min(B_M = 200, B_H = 200): z = 1
+    att("t", "low", False, 7, admitted=False, malformed=True),  # 8
+    att("t", "low", True, 50, admitted=False),  # 9  left out for another reason (stale): never scored
+]
+
+
+def test_malformed_exclude_is_the_rule_for_non_admitted_attempts():
+    score = score_collection(MAL, CFG)
+    unmarked = score_collection([dataclasses.replace(a, malformed=False) for a in MAL], CFG)
+    # The flag changes nothing under "exclude", bit for bit.
+    for field in ("rewards", "advantages", "scored"):
+        np.testing.assert_array_equal(getattr(score, field), getattr(unmarked, field))
+    assert score.levels == unmarked.levels and score.references == unmarked.references
+    r_m = 0.5 + 0.5 * E025
+    np.testing.assert_allclose(score.rewards, [1, 1, 0, 1, r_m, 0, 0, 0.5 + 0.5 * E1, 0, 0], atol=1e-12)
+    m_mean = (1 + r_m + 0) / 3
+    # xhigh's admitted attempts all succeeded: no signal; low's lone admitted attempt: none either.
+    np.testing.assert_allclose(
+        score.advantages, [0, 0, 0, 1 - m_mean, r_m - m_mean, -m_mean, 0, 0, 0, 0], atol=1e-12
+    )
+    assert score.scored.tolist() == [a.admitted for a in MAL]
+    assert (score.groups, score.groups_with_signal) == (3, 1)
+
+
+def test_malformed_fail_counts_them_as_failures_in_their_group():
+    score = score_collection(MAL, FAIL)
+    assert score.scored.tolist() == [True] * 9 + [False]
+    # References use successes only: unchanged, and so are the rewards.
+    assert score.references == references(MAL, CFG) == {("t", "xhigh"): 200.0, ("t", "medium"): 200.0}
+    np.testing.assert_array_equal(score.rewards, score_collection(MAL, CFG).rewards)
+    r_m, r_l = 0.5 + 0.5 * E025, 0.5 + 0.5 * E1
+    m_mean = (1 + r_m + 0 + 0) / 4
+    expected = [
+        1 / 3, 1 / 3, -2 / 3,  # a group whose admitted attempts all succeeded now has signal
+        1 - m_mean, r_m - m_mean, -m_mean, -m_mean,  # the malformed one takes a failure's advantage
+        r_l / 2, -r_l / 2,  # the malformed attempt enters low's mean
+        0,  # stale: outside, as before
+    ]  # fmt: skip
+    np.testing.assert_allclose(score.advantages, expected, atol=1e-12)
+    assert (score.groups, score.groups_with_signal) == (3, 3)
+    hi, med, low = score.levels["xhigh"], score.levels["medium"], score.levels["low"]
+    # Admitted pass rates as before; the scheduled one counts every non-admitted attempt as a failure.
+    assert (hi.pass_rate, med.pass_rate, low.pass_rate) == (1.0, pytest.approx(2 / 3), 1.0)
+    assert (hi.pass_rate_scheduled, med.pass_rate_scheduled, low.pass_rate_scheduled) == (
+        pytest.approx(2 / 3),
+        0.5,
+        pytest.approx(1 / 3),  # the stale success is not a verified admitted one
+    )
+    assert (
+        hi.mean_reward == pytest.approx(2 / 3) and score_collection(MAL, CFG).levels["xhigh"].mean_reward == 1
+    )
+    m = score.metrics()
+    assert m["level/medium/pass_rate_scheduled"] == 0.5 and m["level/xhigh/pass_rate"] == 1.0
+    # The binary baseline takes the same groups.
+    binary = RewardConfig(kind="binary", malformed="fail")
+    np.testing.assert_allclose(score_collection(MAL, binary).advantages[:3], [1 / 3, 1 / 3, -2 / 3])
+
+
+def test_malformed_attempts_are_checked():
+    for bad in (
+        att("t", "low", False, 3, malformed=True),  # admitted
+        att("t", "low", True, 3, admitted=False, malformed=True),  # a success
+    ):
+        with pytest.raises(ValueError, match=r"attempt 0 \(task 't'\): a malformed attempt must be neither"):
+            score_collection([bad], FAIL)

@@ -28,6 +28,19 @@ Choices where the report is silent (each is a config field or documented where i
 - The median of an even number of lengths is the mean of the middle two (`numpy.median`).
 - Attempts with `admitted=False` are outside every group: they define no reference, enter no
   mean, and get R = 0 and A = 0 (they are not trained on). Their level is still checked.
+- Except, with `RewardConfig.malformed = "fail"`, the non-admitted attempts marked `malformed`
+  (the model broke the format: a tool call or answer that does not parse, a thinking block that
+  never closes). Left out, format breakage costs nothing: a group's mean is taken over the
+  attempts that kept the format, so the objective never pushes back on breaking it. Under "fail"
+  such an attempt joins its group as a failure (v = 0, R = 0): it enters the group's mean, takes
+  A = −mean (negative whenever the group has a success) and is trained on like any attempt. It
+  never defines a reference, since references use successes only. Attempts left out for other
+  reasons (a stale sampler, an engine or sandbox failure) carry `malformed=False` and stay
+  outside under both settings: nothing the model did decided their fate. "exclude" (the default)
+  is the rule above, bit for bit.
+- `pass_rate_scheduled` = admitted successes / scheduled attempts at a level: every attempt that
+  did not end as an admitted, verified success counts as a failure there. Beside the admitted
+  pass rate it shows how much of the schedule format breakage (or anything else) cost.
 - The binary baseline's std is the population std (ddof = 0) of the group's rewards.
 - Ordering ratios T_lower / T_upper use the mean reasoning tokens per admitted attempt at each
   level, successes and failures alike (the report's "reasoning tokens per attempt by effort
@@ -46,6 +59,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 KINDS: tuple[str, ...] = ("effort_ordered", "binary")
+MALFORMED: tuple[str, ...] = ("exclude", "fail")  # what a group does with malformed attempts
 
 
 def _phi_exp(z: np.ndarray, s: float) -> np.ndarray:
@@ -69,7 +83,8 @@ class Attempt:
 
     `reasoning_tokens` counts tokens inside thinking blocks summed over turns (not answers, tool
     calls or observations). `output_tokens` and `turns` are optional and only feed the per-level
-    summary.
+    summary. `malformed` marks a non-admitted attempt whose own output broke the format (never a
+    success); `RewardConfig.malformed` decides whether it counts as a failure in its group.
     """
 
     task_id: str
@@ -80,6 +95,7 @@ class Attempt:
     admitted: bool = True
     output_tokens: int | None = None
     turns: int | None = None
+    malformed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +108,11 @@ class RewardConfig:
     phi_scale: float = 1.0  # s in φ(z / s)
     std_scale: bool = False  # binary only: divide advantages by the group's std + std_eps
     std_eps: float = 1e-6
+    # Non-admitted attempts marked malformed (the model broke the format): "exclude" leaves them
+    # out of their group (no reward, no gradient); "fail" scores them there as failures (R = 0),
+    # so breaking the format costs what failing does. Stale or infrastructure-cut attempts are
+    # never marked, and stay out under both (module docstring).
+    malformed: str = "exclude"
 
     def __post_init__(self) -> None:
         # YAML and the command line hand over lists; the frozen config keeps a hashable tuple.
@@ -122,6 +143,8 @@ class RewardConfig:
             )
         if not self.std_eps > 0:
             errors.append(f"reward.std_eps must be > 0, got {self.std_eps!r}")
+        if self.malformed not in MALFORMED:
+            errors.append(f"reward.malformed must be one of {list(MALFORMED)}, got {self.malformed!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -129,11 +152,13 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class LevelSummary:
     """Per-level numbers of one collection. Means are over admitted attempts (None when there are
-    none, or when some admitted attempt does not carry the optional count)."""
+    none, or when some admitted attempt does not carry the optional count), except `mean_reward`:
+    over the attempts in the level's groups (with malformed="fail", the malformed ones too)."""
 
     scheduled: int  # attempts at this level, admitted or not
     count: int  # admitted attempts
     pass_rate: float | None
+    pass_rate_scheduled: float | None  # admitted successes / scheduled attempts
     mean_reasoning_tokens: float | None  # per admitted attempt: what the ordering ratios use
     mean_success_reasoning_tokens: float | None  # over admitted successes only
     mean_output_tokens: float | None
@@ -145,10 +170,11 @@ class LevelSummary:
 class CollectionScore:
     rewards: np.ndarray  # [n] float64, aligned with the attempts
     advantages: np.ndarray  # [n] float64
+    scored: np.ndarray  # [n] bool: in its (task, level) group, so trained on (`scored`)
     references: dict[tuple[str, str], float]  # (task, level) → B(x,e), defined ones only
     levels: dict[str, LevelSummary]  # in cfg.levels order
     ordering: dict[str, float | None]  # "low/medium" → T_low / T_medium, adjacent levels
-    groups: int  # (task, level) groups with at least one admitted attempt
+    groups: int  # (task, level) groups with at least one scored attempt
     groups_with_signal: int  # of those, groups whose rewards are not all equal
 
     def metrics(self) -> dict[str, float]:
@@ -197,19 +223,31 @@ def _check(attempts: Sequence[Attempt], cfg: RewardConfig) -> None:
             raise ValueError(f"{_where(i, a)}: reasoning_tokens must be an int, got {a.reasoning_tokens!r}")
         if a.reasoning_tokens < 0:
             raise ValueError(f"{_where(i, a)}: reasoning_tokens must be >= 0, got {a.reasoning_tokens}")
+        if a.malformed and (a.admitted or a.success):
+            # The verifier never ran on a broken session: a malformed success or admission is a writer bug.
+            raise ValueError(f"{_where(i, a)}: a malformed attempt must be neither admitted nor a success")
 
 
-def _groups(attempts: Sequence[Attempt]) -> dict[tuple[str, str], list[int]]:
-    """(task, level) → indices of its admitted attempts, in first-seen order."""
+def scored(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
+    """[n] bool: the attempts that are in their (task, level) group `G(x,e)`, and so are trained on:
+    the admitted ones, and with `cfg.malformed == "fail"` the malformed ones as failures."""
+    _check(attempts, cfg)
+    fail = cfg.malformed == "fail"
+    return np.array([a.admitted or (fail and a.malformed) for a in attempts], dtype=bool)
+
+
+def _groups(attempts: Sequence[Attempt], cfg: RewardConfig) -> dict[tuple[str, str], list[int]]:
+    """(task, level) → indices of its scored attempts, in first-seen order."""
     groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for i, a in enumerate(attempts):
-        if a.admitted:
-            groups[(a.task_id, a.level)].append(i)
+    for i, keep in enumerate(scored(attempts, cfg)):
+        if keep:
+            groups[(attempts[i].task_id, attempts[i].level)].append(i)
     return dict(groups)
 
 
 def references(attempts: Sequence[Attempt], cfg: RewardConfig) -> dict[tuple[str, str], float]:
-    """Equations (1)–(2): B(x,e) for every (task, level) with at least n_min admitted successes."""
+    """Equations (1)–(2): B(x,e) for every (task, level) with at least n_min admitted successes
+    (a malformed attempt is never a success, so `cfg.malformed` does not move a reference)."""
     _check(attempts, cfg)
     successes: dict[tuple[str, str], list[int]] = defaultdict(list)  # S(x,e)
     for a in attempts:
@@ -234,7 +272,8 @@ def applicable_reference(
 
 
 def rewards(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
-    """Equation (4) (or R = v for the binary baseline): [n] float64, 0 for non-admitted attempts."""
+    """Equation (4) (or R = v for the binary baseline): [n] float64, 0 for non-admitted attempts
+    (the malformed ones scored as failures included)."""
     _check(attempts, cfg)
     out = np.zeros(len(attempts), dtype=np.float64)
     refs = references(attempts, cfg) if cfg.kind == "effort_ordered" else {}
@@ -257,7 +296,8 @@ def advantages(attempts: Sequence[Attempt], rewards: ArrayLike, cfg: RewardConfi
     """Equation (5): rewards centred on their (task, level) group's mean; [n] float64.
 
     Groups whose rewards are all equal get exactly 0 (not a rounding residue). The binary baseline
-    with `std_scale` divides by the group's population std + std_eps.
+    with `std_scale` divides by the group's population std + std_eps. Attempts outside every
+    group (`scored` false) get 0.
     """
     _check(attempts, cfg)
     r = np.asarray(rewards, dtype=np.float64)
@@ -268,7 +308,7 @@ def advantages(attempts: Sequence[Attempt], rewards: ArrayLike, cfg: RewardConfi
             f"rewards must be finite, got non-finite values at {np.flatnonzero(~np.isfinite(r)).tolist()}"
         )
     out = np.zeros_like(r)
-    for idx in _groups(attempts).values():
+    for idx in _groups(attempts, cfg).values():
         g = r[idx]
         if np.all(g == g[0]):
             continue  # a uniform group carries no signal
@@ -283,22 +323,26 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _level_summary(attempts: Sequence[Attempt], r: np.ndarray, level: str) -> LevelSummary:
+def _level_summary(
+    attempts: Sequence[Attempt], r: np.ndarray, in_group: np.ndarray, level: str
+) -> LevelSummary:
     at_level = [i for i, a in enumerate(attempts) if a.level == level]
     admitted = [i for i in at_level if attempts[i].admitted]
+    wins = sum(bool(attempts[i].success) for i in admitted)
     outputs = [attempts[i].output_tokens for i in admitted]
     turns = [attempts[i].turns for i in admitted]
     return LevelSummary(
         scheduled=len(at_level),
         count=len(admitted),
         pass_rate=_mean([float(attempts[i].success) for i in admitted]),
+        pass_rate_scheduled=wins / len(at_level) if at_level else None,
         mean_reasoning_tokens=_mean([float(attempts[i].reasoning_tokens) for i in admitted]),
         mean_success_reasoning_tokens=_mean(
             [float(attempts[i].reasoning_tokens) for i in admitted if attempts[i].success]
         ),
         mean_output_tokens=None if None in outputs else _mean(outputs),
         mean_turns=None if None in turns else _mean(turns),
-        mean_reward=_mean([float(r[i]) for i in admitted]),
+        mean_reward=_mean([float(r[i]) for i in at_level if in_group[i]]),
     )
 
 
@@ -306,8 +350,9 @@ def score_collection(attempts: Sequence[Attempt], cfg: RewardConfig) -> Collecti
     """References, rewards, advantages and the per-level report of one collection."""
     r = rewards(attempts, cfg)
     adv = advantages(attempts, r, cfg)
-    groups = _groups(attempts)
-    levels = {e: _level_summary(attempts, r, e) for e in cfg.levels}
+    in_group = scored(attempts, cfg)
+    groups = _groups(attempts, cfg)
+    levels = {e: _level_summary(attempts, r, in_group, e) for e in cfg.levels}
     ordering: dict[str, float | None] = {}
     for lower, upper in zip(cfg.levels, cfg.levels[1:], strict=False):
         t_lo, t_up = levels[lower].mean_reasoning_tokens, levels[upper].mean_reasoning_tokens
@@ -315,6 +360,7 @@ def score_collection(attempts: Sequence[Attempt], cfg: RewardConfig) -> Collecti
     return CollectionScore(
         rewards=r,
         advantages=adv,
+        scored=in_group,
         references=references(attempts, cfg),
         levels=levels,
         ordering=ordering,
