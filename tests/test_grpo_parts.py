@@ -6,23 +6,27 @@ import json
 import numpy as np
 import pytest
 
-from jaxpi.configfile import load_config
+from jaxpi.configfile import load_config, to_dict
 from jaxpi.envs.agent_loop import Trajectory
 from jaxpi.rl.batch import bucket_length, trajectory_batch
 from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.reward import RewardConfig, score_collection
 from jaxpi.rl.trainer import (
     FIXED_ON_RESUME,
+    attempt_records,
     changed_keys,
+    collection_attempts,
     collection_seed,
     draw_tasks,
     engine_gap_metrics,
     truncate_attempts,
+    with_later_defaults,
 )
 
 
-def traj(ids, mask, logp, *, malformed=False, name="t"):
+def traj(ids, mask, logp, *, malformed=False, name="t", task="t", success=False, finish=None):
     return Trajectory(
-        task_id=name,
+        task_id=task,
         level="low",
         token_ids=ids,
         mask=mask,
@@ -31,8 +35,8 @@ def traj(ids, mask, logp, *, malformed=False, name="t"):
         reasoning_tokens=0,
         output_tokens=sum(mask),
         turns=1,
-        finish_reason="malformed" if malformed else "answer",
-        success=False,
+        finish_reason=finish or ("malformed" if malformed else "answer"),
+        success=success,
         malformed=malformed,
         attempt_id=name,
     )
@@ -64,6 +68,42 @@ def test_trajectory_batch_layout():
         trajectory_batch([a, a], [0.0, 0.0], length=8, rows=1)
 
 
+def test_malformed_attempts_supervised_only_when_scored_as_failures():
+    ok = traj([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.5, -0.5], name="ok", success=True)
+    cut = traj([5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.5], name="cut", finish="max_tokens")  # budget spent
+    broken = traj([5, 9, 10, 11], [0, 1, 1, 1], [0.0, -2.0, -3.0, -1.0], malformed=True, name="broken")
+    old = traj([5, 9, 10], [0, 1, 1], [0.0, -2.0, -3.0], malformed=True, name="old")  # stale and broken
+    trajs = [ok, cut, broken, old]
+    attempts = collection_attempts(trajs, [3, 3, 3, 1], current=3, max_staleness=1)
+    # Only the fresh attempt the loop ended as malformed qualifies; the budget-cut one is admitted.
+    assert [(a.admitted, a.malformed) for a in attempts] == [
+        (True, False),
+        (True, False),
+        (False, True),
+        (False, False),
+    ]
+    masks = {}
+    for setting in ("exclude", "fail"):
+        score = score_collection(attempts, RewardConfig(malformed=setting))
+        out = trajectory_batch(trajs, score.advantages, length=5, supervised=score.scored)
+        masks[setting] = out["loss_mask"]
+        np.testing.assert_array_equal(out["loss_mask"][:2], [[0, 0, 1, 1, 0], [0, 1, 1, 0, 0]])
+        assert not out["loss_mask"][3].any() and out["advantages"][3] == 0.0  # stale: never trained on
+        if setting == "fail":
+            # The broken attempt's sampled tokens are supervised, with a failure's advantage.
+            np.testing.assert_array_equal(out["loss_mask"][2], [0, 1, 1, 1, 0])
+            np.testing.assert_allclose(out["advantages"][:3], [2 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+        else:
+            assert not out["loss_mask"][2].any() and out["advantages"][2] == 0.0
+            np.testing.assert_allclose(out["advantages"][:3], [0.5, -0.5, 0.0], rtol=1e-6)
+        recs = attempt_records("train", 3, trajs, score, [3, 3, 3, 1])
+        assert [r["scored"] for r in recs] == [True, True, setting == "fail", False]
+    # Without `supervised` the rows follow admission, as under "exclude".
+    np.testing.assert_array_equal(trajectory_batch(trajs, [0.0] * 4, length=5)["loss_mask"], masks["exclude"])
+    with pytest.raises(ValueError, match="3 supervised flags for 4"):
+        trajectory_batch(trajs, [0.0] * 4, length=5, supervised=[True] * 3)
+
+
 def test_draws_and_seeds_are_functions_of_seed_and_step():
     a = draw_tasks(100, 8, seed=0, step=3)
     assert a == draw_tasks(100, 8, seed=0, step=3) and len(set(a)) == 8 and all(0 <= i < 100 for i in a)
@@ -93,6 +133,13 @@ def test_changed_keys():
         "train": {"seed": 1, "checkpoint_every": 5, "collections": 9},
     }
     assert changed_keys(saved, other, FIXED_ON_RESUME) == ["reward", "train.seed"]
+    # A run saved before reward.malformed existed resumes under the default, not under "fail".
+    cfg = load_config(GRPOConfig, "configs/grpo/tiny.yaml")
+    old = to_dict(cfg)
+    del old["reward"]["malformed"]
+    assert changed_keys(with_later_defaults(old), to_dict(cfg), FIXED_ON_RESUME) == []
+    fail = to_dict(load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.malformed=fail"]))
+    assert changed_keys(with_later_defaults(old), fail, FIXED_ON_RESUME) == ["reward"]
 
 
 def test_engine_gap_metrics_against_the_formula():
@@ -119,6 +166,9 @@ def test_config_validation():
         load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["collect.group=0"])
     with pytest.raises(ValueError, match=r"reward\.kind"):
         load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.kind=other"])
+    with pytest.raises(ValueError, match=r"reward\.malformed must be one of \['exclude', 'fail'\]"):
+        load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.malformed=ignore"])
+    assert cfg.reward.malformed == "exclude"
     with pytest.raises(ValueError, match=r"env\.tasks_dir"):
         load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["env.name=pi"])
     pi = load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["env.name=pi", "env.tasks_dir=tasks/basic"])

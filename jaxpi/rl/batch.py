@@ -5,7 +5,8 @@ Row i is trajectory i, left-aligned and right-padded to `length` (the batch layo
 
     input_ids   [N, L] int32    the session's tokens, 0 after its end
     loss_mask   [N, L] int32    1 on the tokens the model sampled, 0 on prompt, observations, padding;
-                                all 0 for an attempt that was not admitted (it is not trained on)
+                                all 0 for an attempt that is not trained on (not admitted, unless
+                                `supervised` says otherwise: `CollectionScore.scored`)
     logp_engine [N, L] float32  the engine's raw-model log-probability of each sampled token
     advantages  [N]    float32
 
@@ -36,20 +37,26 @@ def trajectory_batch(
     *,
     length: int,
     rows: int | None = None,
+    supervised: Sequence[bool] | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays of the module docstring; `rows` (≥ len(trajectories)) pads with empty rows, which
-    have no supervised token and so no weight in the loss."""
+    have no supervised token and so no weight in the loss. `supervised[i]` says whether
+    trajectory i is trained on (default: whether it was admitted); the reward's `scored` mask
+    also takes in malformed attempts scored as failures (`reward.malformed="fail"`)."""
     n = len(trajectories)
     rows = n if rows is None else rows
     if rows < n:
         raise ValueError(f"{n} trajectories do not fit {rows} rows")
     if len(advantages) != n:
         raise ValueError(f"{len(advantages)} advantages for {n} trajectories")
+    train = [t.admitted for t in trajectories] if supervised is None else [bool(x) for x in supervised]
+    if len(train) != n:
+        raise ValueError(f"{len(train)} supervised flags for {n} trajectories")
     ids = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.int32)
     logp = np.zeros((rows, length), np.float32)
     adv = np.zeros((rows,), np.float32)
-    for i, (t, a) in enumerate(zip(trajectories, advantages, strict=True)):
+    for i, (t, a, on) in enumerate(zip(trajectories, advantages, train, strict=True)):
         k = len(t.token_ids)
         if k > length:
             raise ValueError(f"trajectory {t.attempt_id} has {k} tokens, rows hold {length}")
@@ -60,7 +67,7 @@ def trajectory_batch(
             )
         ids[i, :k] = t.token_ids
         logp[i, :k] = t.logprobs
-        if t.admitted:
+        if on:
             mask[i, :k] = t.mask
             adv[i] = a
     return {"input_ids": ids, "loss_mask": mask, "logp_engine": logp, "advantages": adv}

@@ -34,6 +34,15 @@ and counted in the next metrics record; it is redone up to `collect.collection_r
 the run stops (`CollectionFailedError`, exit code 4) with its last checkpoint intact. Every attempt
 record carries the `policy_version` (updates made) that sampled it; attempts more than
 `collect.max_staleness` versions old are not admitted.
+
+Which non-admitted attempts `reward.malformed="fail"` scores as failures (`collection_attempts`):
+only those the agent loop ended as "malformed" (a turn whose tool call, answer or thinking block
+did not parse: the model's own output broke the format) and that are not stale. Attempts cut by
+the budgets ("length", "max_turns", "max_tokens") are admitted failures already, under both
+settings. Left out under both: stale attempts (sampled by a policy the ratio no longer fits),
+collections lost to engine failures (discarded whole, never scored), and attempts the Pi runner
+did not admit (timeout, sandbox limit, upstream / verifier / Pi errors, split samples), whose
+end the model did not decide.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import numpy as np
 
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.rl.config import CollectConfig, GRPOConfig
+from jaxpi.rl.reward import RewardConfig
 
 # collect.* fields that only say how to reach the rollout server: a resumed run may change them
 # (a restarted server has another address).
@@ -110,6 +120,17 @@ def changed_keys(saved: dict[str, Any], current: dict[str, Any], keys: Sequence[
     return diffs
 
 
+def with_later_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's saved config with the fields added since filled in by their defaults: the
+    engine settings (collect.*) and reward.malformed did not exist when older runs were saved, and
+    those runs behaved as the defaults do."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    for section, default in (("collect", CollectConfig()), ("reward", RewardConfig())):
+        for key, value in to_dict(default).items():
+            out.setdefault(section, {}).setdefault(key, value)
+    return out
+
+
 def attempt_records(
     split: str,
     step: int,
@@ -121,7 +142,9 @@ def attempt_records(
     (default: `step` for every attempt) is the number of updates behind the policy that sampled each."""
     out = []
     versions = [step] * len(trajectories) if policy_versions is None else list(policy_versions)
-    for t, r, a, v in zip(trajectories, score.rewards, score.advantages, versions, strict=True):
+    for t, r, a, v, s in zip(
+        trajectories, score.rewards, score.advantages, versions, score.scored, strict=True
+    ):
         out.append(
             {
                 "split": split,
@@ -140,8 +163,27 @@ def attempt_records(
                 "reward": float(r),
                 "advantage": float(a),
                 "policy_version": int(v),
+                "scored": bool(s),
             }
         )
+    return out
+
+
+def collection_attempts(
+    trajectories: Sequence[Any], versions: Sequence[int], current: int, max_staleness: int
+) -> list[Any]:
+    """The reward module's records of one collection: `malformed` set on the non-admitted attempts
+    the agent loop ended as "malformed" that are not stale (the module docstring says why only
+    those); `reward.malformed` then decides whether they count as failures."""
+    from jaxpi.rl.reward import Attempt
+    from jaxpi.vllm.sync import stale
+
+    out: list[Attempt] = []
+    for t, old in zip(trajectories, stale(versions, current, max_staleness), strict=True):
+        a = t.to_attempt()
+        if not a.admitted and t.finish_reason == "malformed" and not old:
+            a = dataclasses.replace(a, malformed=True)
+        out.append(a)
     return out
 
 
@@ -394,10 +436,7 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
     if start:
         from jaxpi.train.checkpoint import read_meta
 
-        saved = read_meta(store.step_dir(start))["config"]
-        # Checkpoints from before the engine settings existed were made by the defaults.
-        for key, value in to_dict(CollectConfig()).items():
-            saved.setdefault("collect", {}).setdefault(key, value)
+        saved = with_later_defaults(read_meta(store.step_dir(start))["config"])
         diffs = changed_keys(saved, config_dict, FIXED_ON_RESUME)
         if diffs:
             raise ValueError(
@@ -573,7 +612,8 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
         trajs, versions = collect(
             "eval", step, held, cfg.train.eval_group, collection_seed(cfg.train.seed, step, "eval")
         )
-        score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
+        attempts = collection_attempts(trajs, versions, step, cfg.collect.max_staleness)
+        score = score_collection(attempts, cfg.reward)
         record("eval", step, trajs, score, versions)
         m = level_metrics("eval/", trajs, score, levels)
         print(f"eval   after {step:4d} updates: {_levels_line(m, levels, 'eval/')}", file=out, flush=True)
@@ -600,14 +640,18 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
                 "train", s, tasks, cfg.collect.group, collection_seed(cfg.train.seed, s, "train")
             )
             t_collect = time.time() - t0
-            score = score_collection([t.to_attempt() for t in trajs], cfg.reward)
+            attempts = collection_attempts(trajs, versions, s, cfg.collect.max_staleness)
+            score = score_collection(attempts, cfg.reward)
             record("train", s, trajs, score, versions)
 
             t1 = time.time()
             length = bucket_length(
                 max(len(t.token_ids) for t in trajs), cfg.collect.row_bucket, cfg.collect.max_context
             )
-            batch = trajectory_batch(trajs, score.advantages, length=length, rows=rows)
+            # Rows trained on: the admitted attempts, plus malformed ones scored as failures.
+            batch = trajectory_batch(
+                trajs, score.advantages, length=length, rows=rows, supervised=score.scored
+            )
             batch["logp_old"] = logprobs(pol.train, batch["input_ids"])
             if cfg.loss.kl_coef > 0:
                 batch["logp_ref"] = logprobs(ref_train, batch["input_ids"])
@@ -636,6 +680,7 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
                 "lr": float(schedule(s)),
                 "attempts": len(trajs),
                 "admitted": sum(t.admitted for t in trajs),
+                "scored": int(score.scored.sum()),
                 "sampled_tokens": sampled,
                 "row_length": length,
                 "collect_s": t_collect,
