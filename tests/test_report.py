@@ -296,6 +296,9 @@ def test_summarize_steps_split_fallback_and_table(tmp_path):
         "pass L",
         "pass M",
         "pass X",
+        "sched L",
+        "sched M",
+        "sched X",
         "T L",
         "T M",
         "T X",
@@ -305,11 +308,12 @@ def test_summarize_steps_split_fallback_and_table(tmp_path):
     start = [c.strip() for c in lines[2].strip("|").split("|")]
     lo, hi = wilson_interval(1, 4)
     assert start[:4] == ["start (SFT)", "0", "4", f"25.0% [{100 * lo:.0f}, {100 * hi:.0f}]"]
-    assert start[6:9] == ["300", "200", "800"]
-    assert start[9].startswith("**1.50 [") and start[10].startswith("0.25 [")  # bold = violation
+    assert start[6] == start[3]  # every attempt admitted: the scheduled pass rate is the same
+    assert start[9:12] == ["300", "200", "800"]
+    assert start[12].startswith("**1.50 [") and start[13].startswith("0.25 [")  # bold = violation
     end = [c.strip() for c in lines[3].strip("|").split("|")]
     assert end[0] == "effort-ordered GRPO" and end[3].startswith("100.0% [")
-    assert end[9].startswith("0.50 [") and end[10].startswith("0.50 [")
+    assert end[12].startswith("0.50 [") and end[13].startswith("0.50 [")
     assert "L = low, M = medium, X = xhigh" in table
 
     # A run with no eval attempts falls back to train and says so.
@@ -321,6 +325,46 @@ def test_summarize_steps_split_fallback_and_table(tmp_path):
     assert "(train)" in comparison_table([("binary", s)]) and "no eval attempts" in comparison_table(
         [("b", s)]
     )
+
+
+def test_scheduled_pass_rate_counts_non_admitted_attempts_as_failures(tmp_path, capsys):
+    a = [
+        *(att(f"t{t}", "xhigh", 500, True, i=0) for t in range(6)),
+        att("t0", "xhigh", 500, False, i=1),
+        *(att(f"t{t}", "xhigh", 90, False, admitted=False, i=2) for t in range(3)),  # broke the format
+        att("t0", "low", 100, True),
+        att("t1", "low", 100, True),
+        att("t2", "low", 100, True, admitted=False),  # a stale success: not a verified admitted one
+    ]
+    run = write_run(
+        tmp_path / "r", [{**r, "finish_reason": "malformed"} if not r["admitted"] else r for r in a]
+    )
+    s = summarize(load_run(run), "eval", "last")
+    hi, low, med = s.stats["xhigh"], s.stats["low"], s.stats["medium"]
+    assert (hi.scheduled, hi.admitted, hi.successes) == (10, 7, 6)
+    assert hi.pass_rate.value == pytest.approx(6 / 7)
+    assert hi.pass_rate_scheduled == pytest.approx((0.6, *wilson_interval(6, 10)))
+    assert low.pass_rate.value == 1.0 and low.pass_rate_scheduled == pytest.approx(
+        (2 / 3, *wilson_interval(2, 3))
+    )
+    assert med.pass_rate_scheduled is None  # nothing scheduled
+    row = [c.strip() for c in comparison_table([("r", s)]).splitlines()[2].strip("|").split("|")]
+    assert row[3:9] == [
+        "100.0% [34, 100]",
+        "–",
+        f"85.7% [{100 * wilson_interval(6, 7)[0]:.0f}, {100 * wilson_interval(6, 7)[1]:.0f}]",
+        f"66.7% [{100 * wilson_interval(2, 3)[0]:.0f}, {100 * wilson_interval(2, 3)[1]:.0f}]",
+        "–",
+        f"60.0% [{100 * wilson_interval(6, 10)[0]:.0f}, {100 * wilson_interval(6, 10)[1]:.0f}]",
+    ]
+    assert main(["report", str(run), "--json", "--out", str(tmp_path / "out")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    xhigh = printed["runs"][0]["last"]["stats"]["xhigh"]
+    assert xhigh["pass_rate_scheduled"] == pytest.approx(
+        {"value": 0.6, "lo": wilson_interval(6, 10)[0], "hi": wilson_interval(6, 10)[1]}
+    )
+    assert xhigh["pass_rate"]["value"] == pytest.approx(6 / 7)
+    assert printed["runs"][0]["last"]["stats"]["medium"]["pass_rate_scheduled"] is None
 
 
 def test_step_series_pools_windows(tmp_path):

@@ -8,8 +8,13 @@ The GRPO loop writes a run directory; this module only reads it:
   applied before the attempt was collected, so eval at step 0 is the starting policy.
 
 Numbers, per effort level at one step (or a window of steps):
-- admitted share = admitted / scheduled attempts. Everything else is over admitted attempts only.
+- admitted share = admitted / scheduled attempts. Everything else is over admitted attempts only,
+  except the scheduled pass rate.
 - pass rate with its 95% Wilson score interval (exact at 0/n and n/n, unlike the normal one).
+- scheduled pass rate = admitted successes / scheduled attempts, Wilson interval as well: a
+  malformed or otherwise non-admitted attempt counts as a failure. The admitted pass rate alone
+  hides format breakage (a level that breaks the format more often keeps its admitted pass rate);
+  the gap between the two is what non-admission cost.
 - T = mean reasoning tokens per admitted attempt, successes and failures alike (what
   `jaxpi.rl.reward` uses for the ordering ratios), with a 95% cluster-bootstrap interval: task ids
   are resampled with all their attempts, because attempts of one task share its difficulty and are
@@ -104,7 +109,8 @@ class LevelStats:
     admitted_share: float | None
     tasks: int  # distinct tasks with an admitted attempt
     successes: int
-    pass_rate: Estimate | None  # Wilson
+    pass_rate: Estimate | None  # Wilson, over admitted attempts
+    pass_rate_scheduled: Estimate | None  # Wilson, admitted successes over scheduled attempts
     reasoning_tokens: Estimate | None  # mean per admitted attempt, cluster bootstrap
     reasoning_tokens_per_turn: float | None
     output_tokens: float | None
@@ -131,6 +137,7 @@ class Summary:
         for name, s in self.stats.items():
             d = dataclasses.asdict(s)
             d["pass_rate"], d["reasoning_tokens"] = est(s.pass_rate), est(s.reasoning_tokens)
+            d["pass_rate_scheduled"] = est(s.pass_rate_scheduled)
             stats[name] = d
         return {
             "run": self.run,
@@ -328,6 +335,8 @@ def level_stats(
         adm = [a for a in at_level if a.admitted]
         k = sum(a.success for a in adm)
         pass_rate = reasoning = per_turn = output = turns = None
+        # A non-admitted success (a stale sampler, a split Pi sample) is not a verified one here either.
+        scheduled = Estimate(k / len(at_level), *wilson_interval(k, len(at_level))) if at_level else None
         if adm:
             pass_rate = Estimate(k / len(adm), *wilson_interval(k, len(adm)))
             mean_t = float(sums[:, j].sum() / counts[:, j].sum())
@@ -346,6 +355,7 @@ def level_stats(
             tasks=len({a.task_id for a in adm}),
             successes=k,
             pass_rate=pass_rate,
+            pass_rate_scheduled=scheduled,
             reasoning_tokens=reasoning,
             reasoning_tokens_per_turn=per_turn,
             output_tokens=output,
@@ -471,8 +481,9 @@ def _ratio(e: Estimate | None) -> str:
 
 
 def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
-    """A Markdown table, one row per named summary: per-level pass rate (95% Wilson), mean
-    reasoning tokens per attempt, and the adjacent ordering ratios (95% task bootstrap)."""
+    """A Markdown table, one row per named summary: per-level pass rate over admitted and over
+    scheduled attempts (95% Wilson), mean reasoning tokens per attempt, and the adjacent ordering
+    ratios (95% task bootstrap)."""
     if not rows:
         raise ValueError("comparison_table needs at least one row")
     levels = rows[0][1].levels
@@ -484,6 +495,7 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
     header = (
         ["", "step", "tasks"]
         + [f"pass {e}" for e in ini]
+        + [f"sched {e}" for e in ini]
         + [f"T {e}" for e in ini]
         + [f"T_{ini[j]}/T_{ini[j + 1]}" for j in range(len(pairs))]
     )
@@ -493,6 +505,7 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
         body.append(
             [name, step + ("" if s.split == "eval" else " (train)"), str(s.tasks)]
             + [_pct(s.stats[e].pass_rate) for e in levels]
+            + [_pct(s.stats[e].pass_rate_scheduled) for e in levels]
             + [_tokens(s.stats[e].reasoning_tokens) for e in levels]
             + [_ratio(s.ordering[p]) for p in pairs]
         )
@@ -513,8 +526,9 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
     legend = ", ".join(f"{a} = {e}" for a, e in zip(ini, levels, strict=True) if a != e)
     foot = (
         (f"{legend}. " if legend else "")
-        + "pass: pass rate over admitted attempts [95% Wilson]. T: mean reasoning tokens per admitted "
-        "attempt. Ratios: T_lower/T_upper [95% bootstrap over tasks]; bold above 1.00 = ordering violation."
+        + "pass: pass rate over admitted attempts [95% Wilson]. sched: admitted successes over scheduled "
+        "attempts, non-admitted (malformed) ones counted as failures [95% Wilson]. T: mean reasoning "
+        "tokens per admitted attempt. Ratios: T_lower/T_upper [95% bootstrap over tasks]; bold above 1.00 = ordering violation."
     )
     notes = sorted({s.note for _, s in rows if s.note})
     return "\n".join([line(header), rule, *(line(r) for r in body), "", foot, *notes])
@@ -665,7 +679,8 @@ def plot_ordering(series: Sequence[Sequence[Summary]], path: str | os.PathLike) 
 
 
 def plot_pass_rate(series: Sequence[Sequence[Summary]], path: str | os.PathLike) -> Path:
-    """Per run (columns): pass rate per level (top) and T per level (bottom) across steps."""
+    """Per run (columns): pass rate per level (top; dashed, without a band: over scheduled
+    attempts, drawn where it differs) and T per level (bottom) across steps."""
     plt = _pyplot()
     n = len(series)
     fig, axes = plt.subplots(2, n, figsize=(5.5 * n, 7), squeeze=False, sharex="col")
@@ -682,6 +697,10 @@ def plot_pass_rate(series: Sequence[Sequence[Summary]], path: str | os.PathLike)
                 ax = axes[row, col]
                 ax.plot(x, [p[1].value for p in pts], "o-", color=colour, label=level, ms=3)
                 ax.fill_between(x, [p[1].lo for p in pts], [p[1].hi for p in pts], color=colour, alpha=0.2)
+            sched = [(s.step, s.stats[level].pass_rate_scheduled) for s in run_series]
+            sched = [(x, e.value) for x, e in sched if e is not None]
+            if any(s.stats[level].admitted < s.stats[level].scheduled for s in run_series) and sched:
+                axes[0, col].plot(*zip(*sched, strict=True), "--", color=colour, lw=1)
         axes[0, col].set_title(f"{run_series[0].run} ({run_series[0].split})")
         axes[0, col].set_ylim(-0.02, 1.02)
         axes[1, col].set_xlabel("step (policy updates)")
