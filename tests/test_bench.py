@@ -138,6 +138,21 @@ def test_train_step_vs_torch(capsys, reports):
     assert t["lora_params"] == r["flops"]["lora_params"]
 
 
+def test_train_step_on_the_pallas_kernels(capsys, reports):
+    """`--kernels pallas`: the same step on the Pallas gated delta rule and norms (interpreted on
+    CPU), the same checkpoint and tokens as the plain run above, so the same first loss (the
+    kernels' gradients are held to the plain path's in tests/test_pallas_*.py)."""
+    rep = _run(
+        capsys, "train-step", *COMMON[:4], "--repeats", "1", "--warmup", "1", "--json", "--kernels", "pallas"
+    )
+    assert rep["config"]["model"]["gdn_impl"] == rep["config"]["model"]["norm_impl"] == "pallas"
+    assert reports["train-step"]["config"]["model"]["gdn_impl"] == "jax"
+    plain = reports["train-step"]["results"]["train_step"]["jaxpi"]
+    got = rep["results"]["train_step"]["jaxpi"]
+    assert got["loss_first"] == pytest.approx(plain["loss_first"], rel=1e-6)
+    assert math.isfinite(got["loss_last"]) and got["loss_last"] != got["loss_first"]
+
+
 def test_gdn_vs_torch(capsys, reports):
     rep = _run(capsys, "gdn", *COMMON)
     reports["gdn"] = rep

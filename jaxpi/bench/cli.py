@@ -187,7 +187,12 @@ def format_table(report: dict[str, Any]) -> str:
         + (f", torch {env['torch']}, transformers {env['transformers']}" if "torch" in env else ""),
         f"  model: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers {m['layer_types']}, "
         f"vocab {m['vocab_size']}   seq {cfg['seq']} × batch {cfg['batch']}, {cfg['dtype']}, "
-        f"LoRA rank {cfg['lora_rank']}   median (min–max) of {cfg['repeats']} after {cfg['warmup']} warm-up",
+        f"LoRA rank {cfg['lora_rank']}   median (min–max) of {cfg['repeats']} after {cfg['warmup']} warm-up"
+        + (
+            f"   kernels: gdn {m['gdn_impl']}, norms {m['norm_impl']}"
+            if "pallas" in (m.get("gdn_impl"), m.get("norm_impl"))
+            else ""
+        ),
     ]
     if "train_step" in res:
         r = res["train_step"]
@@ -292,6 +297,13 @@ def _model_flags(p: argparse.ArgumentParser, *, depth_list: bool) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default=None)
+    p.add_argument(
+        "--kernels",
+        choices=["jax", "pallas"],
+        default=None,
+        help="the model's kernel path for the gated delta rule and the norms (default jax; "
+        "pallas is interpreted on CPU)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (figures are their median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (the first compiles)")
     p.add_argument(
@@ -365,6 +377,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         intermediate=args.intermediate,
         vocab=args.vocab,
         remat=args.remat,
+        kernels=args.kernels,
         seq=args.seq,
         batch=args.batch,
         lora_rank=args.lora_rank,

@@ -122,6 +122,8 @@ class BenchConfig:
                 ],
                 "gdn_chunk_size": m.gdn_chunk_size,
                 "remat": m.remat,
+                "gdn_impl": m.gdn_impl,
+                "norm_impl": m.norm_impl,
             },
         }
 
@@ -134,13 +136,15 @@ def make_config(
     intermediate: int | None = None,
     vocab: int | None = None,
     remat: str | None = None,
+    kernels: str | None = None,
     seq: int | None = None,
     batch: int | None = None,
     lora_rank: int | None = None,
     peak_n: int | None = None,
     **fields: object,
 ) -> BenchConfig:
-    """A preset with overrides (None = the preset's value)."""
+    """A preset with overrides (None = the preset's value). `kernels` sets the model's kernel path,
+    "jax" or "pallas", for both the gated delta rule and the norms (`gdn_impl`, `norm_impl`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown bench preset {preset!r}; choose one of {sorted(PRESETS)}")
     model, p_seq, p_batch, p_rank, p_peak = PRESETS[preset]
@@ -152,6 +156,8 @@ def make_config(
             "intermediate_size": intermediate,
             "vocab_size": vocab,
             "remat": remat,
+            "gdn_impl": kernels,
+            "norm_impl": kernels,
         }.items()
         if v is not None
     }

@@ -53,7 +53,14 @@ def build_jaxpi_step(bench: BenchConfig, ckpt: str | Path, ids: np.ndarray) -> d
     m = bench.model
     t0 = time.perf_counter()
     _, model = load_hf(
-        ckpt, bench.dtype, config_overrides={"remat": m.remat, "gdn_chunk_size": m.gdn_chunk_size}
+        ckpt,
+        bench.dtype,
+        config_overrides={
+            "remat": m.remat,
+            "gdn_chunk_size": m.gdn_chunk_size,
+            "gdn_impl": m.gdn_impl,
+            "norm_impl": m.norm_impl,
+        },
     )
     add_lora(model, LoraConfig(rank=bench.lora_rank, alpha=2.0 * bench.lora_rank), key=jax.random.key(1))
     graphdef, params = nnx.split(model)
