@@ -45,6 +45,8 @@ class QwenConfig:
     gdn_chunk_size: int = 64
     gdn_impl: str = "jax"  # the chunked gated delta rule: "jax" (plain JAX) or "pallas" (kernels)
     norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
+    # Losses apply the LM head this many positions at a time (0: all at once), see jaxpi.kernels.lm_head
+    loss_chunk: int = 0
     remat: str = "none"
     scan_layers: bool = True
     # HF fields we carry through untouched (token ids, rope extras such as mrope_section).
@@ -86,6 +88,8 @@ class QwenConfig:
             errors.append(f"gdn_impl {self.gdn_impl!r} is not one of ('jax', 'pallas')")
         if self.norm_impl not in ("jax", "pallas"):
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
+        if self.loss_chunk < 0:
+            errors.append(f"loss_chunk {self.loss_chunk} must be >= 0 (0: the LM head at once)")
         if errors:
             raise ValueError("invalid QwenConfig: " + "; ".join(errors))
 

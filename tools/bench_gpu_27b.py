@@ -19,6 +19,7 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
     3·2·T·H·(C(3Dk+2Dv) + 3DkDv)   per DeltaNet layer (chunk size C; the (I+A)⁻¹ not counted)
 
     python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
+                                  [--loss-chunk 1024]
 
 `--impl` lists the kernel paths to measure: "jax" (plain JAX) and/or "pallas" (the Pallas gated
 delta rule and norms, `gdn_impl` / `norm_impl`). The gdn stage times each path on the same inputs
@@ -220,6 +221,7 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) ->
         "layers": cfg.num_hidden_layers,
         "gdn_impl": cfg.gdn_impl,
         "norm_impl": cfg.norm_impl,
+        "loss_chunk": cfg.loss_chunk,
     }
     RESULTS[step_name(seq, cfg.gdn_impl)] = res
 
@@ -291,6 +293,12 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run of this script)")
     ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: matmul gdn step")
     ap.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        help="LM head positions per chunk in the loss (0: all at once; the whole fp32 logits are 8 GiB at 8192)",
+    )
+    ap.add_argument(
         "--impl", nargs="+", default=["jax"], choices=["jax", "pallas"], help="kernel paths to measure"
     )
     args = ap.parse_args()
@@ -298,7 +306,7 @@ def main() -> int:
     cfg = (TINY if args.tiny else QWEN3_5_27B).replace(remat=args.remat)
 
     def kernels(impl: str) -> QwenConfig:
-        return cfg.replace(gdn_impl=impl, norm_impl=impl)
+        return cfg.replace(gdn_impl=impl, norm_impl=impl, loss_chunk=args.loss_chunk)
 
     stage_env()
     save(OUT)

@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpi.train.step import target_weights
+from jaxpi.kernels.lm_head import lm_head_weight, target_logprobs
+from jaxpi.train.step import loss_chunk, target_weights
 
 Metrics = dict[str, jax.Array]
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -114,8 +115,13 @@ def sequence_logprobs(
     """`out[b, t] = log π(ids[b, t] | ids[b, <t])`, `[B, T]`, with `out[:, 0] = 0` (nothing
     predicts the first token): the batch layout of `logp_old` / `logp_engine` / `logp_ref`."""
     kw = {} if dropout_key is None else {"dropout_key": dropout_key}
-    logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
-    lp = token_logprobs(logits, input_ids[:, 1:])  # [B, T-1]
+    chunk = loss_chunk(model)
+    if chunk:  # the LM head a chunk of positions at a time (QwenConfig.loss_chunk)
+        hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
+        lp = target_logprobs(hidden[:, :-1], lm_head_weight(model), input_ids[:, 1:], chunk=chunk)
+    else:
+        logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
+        lp = token_logprobs(logits, input_ids[:, 1:])  # [B, T-1]
     return jnp.pad(lp, ((0, 0), (1, 0)))
 
 

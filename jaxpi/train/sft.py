@@ -55,6 +55,9 @@ class ModelConfig:
     tiny_layers: int = 4  # depth of the "tiny-random" base
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, "jax" | "pallas"
     norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
+    # QwenConfig.loss_chunk: the loss runs the LM head this many positions at a time, so the
+    # [B, T, V] logits never exist whole (0 = at once; e.g. 1024 for a 248k vocabulary at long T)
+    loss_chunk: int = 0
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -69,10 +72,17 @@ class ModelConfig:
             raise ValueError(f"model.gdn_impl must be jax or pallas, got {self.gdn_impl!r}")
         if self.norm_impl not in ("jax", "pallas"):
             raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"model.loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
 
-    def overrides(self) -> dict[str, str]:
+    def overrides(self) -> dict[str, str | int]:
         """The runtime knobs of QwenConfig this section sets (for `load_hf(config_overrides=...)`)."""
-        return {"remat": self.remat, "gdn_impl": self.gdn_impl, "norm_impl": self.norm_impl}
+        return {
+            "remat": self.remat,
+            "gdn_impl": self.gdn_impl,
+            "norm_impl": self.norm_impl,
+            "loss_chunk": self.loss_chunk,
+        }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpi.kernels.lm_head import lm_head_weight, target_logprobs
 from sharding.strategies import Fallbacks, MeshLike, Strategy, with_activation_constraints
 
 Batch = Mapping[str, jax.Array]
@@ -50,15 +51,26 @@ def next_token_loss(
     dropout keep working.
     """
     kw = {} if dropout_key is None else {"dropout_key": dropout_key}
-    logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
     targets = input_ids[:, 1:]
-    # logsumexp − target logit is log-softmax without materialising [B, T, V] log-probs in fp32
-    # (for a 248k vocabulary that array dwarfs the model's other activations). At least fp32:
-    # bf16 logits are upcast, fp64 ones (numerical checks) kept.
-    z = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    chunk = loss_chunk(model)
+    if chunk:
+        # The LM head a chunk of positions at a time: the [B, T, V] logits never exist whole.
+        hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
+        nll = -target_logprobs(hidden[:, :-1], lm_head_weight(model), targets, chunk=chunk)
+    else:
+        logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
+        # logsumexp − target logit is log-softmax without materialising [B, T, V] log-probs in fp32
+        # (for a 248k vocabulary that array dwarfs the model's other activations). At least fp32:
+        # bf16 logits are upcast, fp64 ones (numerical checks) kept.
+        z = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        nll = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     w = target_weights(input_ids, loss_mask, segment_ids)
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def loss_chunk(model: nnx.Module) -> int:
+    """The model config's `loss_chunk` (0 for models without one: the LM head at once)."""
+    return int(getattr(getattr(model, "cfg", None), "loss_chunk", 0))
 
 
 def target_weights(
