@@ -133,10 +133,10 @@ def test_changed_keys():
         "train": {"seed": 1, "checkpoint_every": 5, "collections": 9},
     }
     assert changed_keys(saved, other, FIXED_ON_RESUME) == ["reward", "train.seed"]
-    # A run saved before reward.malformed existed resumes under the default, not under "fail".
+    # A run saved before a field existed (reward.malformed, ...) resumes under its default only.
     cfg = load_config(GRPOConfig, "configs/grpo/tiny.yaml")
     old = to_dict(cfg)
-    del old["reward"]["malformed"]
+    del old["reward"]["malformed"], old["model"]["norm_impl"], old["collect"]["max_staleness"]
     assert changed_keys(with_later_defaults(old), to_dict(cfg), FIXED_ON_RESUME) == []
     fail = to_dict(load_config(GRPOConfig, "configs/grpo/tiny.yaml", ["reward.malformed=fail"]))
     assert changed_keys(with_later_defaults(old), fail, FIXED_ON_RESUME) == ["reward"]

@@ -155,13 +155,18 @@ def test_uninterrupted_run(straight, sft_dir):
         # position, observation tokens supervised, the wrong adapter) differs by whole nats.
         assert m["logp_diff_max"] < 1e-3, m
         assert m["is_weight_max"] <= 2.0
+        # Successes over scheduled attempts = the admitted pass rate × the admitted share.
+        for level in ("low", "medium", "xhigh"):
+            rate, share = m.get(f"level/{level}/pass_rate"), m[f"level/{level}/admitted_share"]
+            assert m[f"level/{level}/pass_rate_scheduled"] == pytest.approx((rate or 0.0) * share)
+        assert m["scored"] == m["admitted"]  # reward.malformed=exclude: only admitted rows train
     # Advantages are mean-centred in each (step, task, level) group; non-admitted attempts get none.
     groups: dict = {}
     for a in train:
         groups.setdefault((a["step"], a["task_id"], a["level"]), []).append(a)
     for g in groups.values():
         kept = [a for a in g if a["admitted"]]
-        assert all(a["advantage"] == 0.0 for a in g if not a["admitted"])
+        assert all(a["advantage"] == 0.0 and not a["scored"] for a in g if not a["admitted"])
         if kept:
             assert abs(sum(a["advantage"] for a in kept)) < 1e-9
     signal_groups = sum(m["reward/groups_with_signal"] for m in metrics)
@@ -219,6 +224,6 @@ def test_report_draws_the_run(straight, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "| start" in proc.stdout
+    assert "| start" in proc.stdout and "sched L" in proc.stdout
     for name in ("frontier.png", "ordering.png", "pass_rate.png"):
         assert (tmp_path / "rep" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -170,7 +170,7 @@ class LevelSummary:
 class CollectionScore:
     rewards: np.ndarray  # [n] float64, aligned with the attempts
     advantages: np.ndarray  # [n] float64
-    scored: np.ndarray  # [n] bool: in its (task, level) group, so trained on (`scored`)
+    scored: np.ndarray  # [n] bool: in its (task, level) group, so trained on (`scored()`)
     references: dict[tuple[str, str], float]  # (task, level) → B(x,e), defined ones only
     levels: dict[str, LevelSummary]  # in cfg.levels order
     ordering: dict[str, float | None]  # "low/medium" → T_low / T_medium, adjacent levels

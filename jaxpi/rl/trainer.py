@@ -62,7 +62,6 @@ import numpy as np
 
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.rl.config import CollectConfig, GRPOConfig
-from jaxpi.rl.reward import RewardConfig
 
 # collect.* fields that only say how to reach the rollout server: a resumed run may change them
 # (a restarted server has another address).
@@ -121,12 +120,12 @@ def changed_keys(saved: dict[str, Any], current: dict[str, Any], keys: Sequence[
 
 
 def with_later_defaults(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's saved config with the fields added since filled in by their defaults: the
-    engine settings (collect.*) and reward.malformed did not exist when older runs were saved, and
-    those runs behaved as the defaults do."""
+    """A checkpoint's saved config with the fields added since filled in by their defaults (the
+    engine settings collect.*, reward.malformed, ...): a field is added with a default that keeps
+    the old behaviour, so the older run behaved as that default does and may resume under it."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
-    for section, default in (("collect", CollectConfig()), ("reward", RewardConfig())):
-        for key, value in to_dict(default).items():
+    for section, fields in to_dict(GRPOConfig()).items():
+        for key, value in fields.items():
             out.setdefault(section, {}).setdefault(key, value)
     return out
 
