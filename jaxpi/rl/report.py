@@ -707,7 +707,7 @@ def plot_pass_rate(series: Sequence[Sequence[Summary]], path: str | os.PathLike)
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
         axes[0, col].legend(fontsize="small")
-    axes[0, 0].set_ylabel("pass rate (95% Wilson)")
+    axes[0, 0].set_ylabel("pass rate (95% Wilson); dashed: of scheduled")
     axes[1, 0].set_ylabel("reasoning tokens / attempt (95% bootstrap)")
     try:
         return _atomic_savefig(fig, Path(path))
