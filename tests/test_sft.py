@@ -358,3 +358,15 @@ def test_resume_refuses_a_different_setup(env, straight):
     proc = run(env, straight.out, "lora.rank=4", "optim.lr=1e-3", check=False)
     assert proc.returncode == 2
     assert "holds a run with a different lora.rank, optim.lr" in proc.stderr
+
+
+def test_resume_reads_fields_a_saved_run_predates_as_their_defaults():
+    """A run saved before a config field existed resumes when the field keeps its default."""
+    from jaxpi.train.sft import SFTConfig, _check_resume, to_dict
+
+    current = to_dict(SFTConfig())
+    saved = to_dict(SFTConfig())
+    del saved["model"]["loss_chunk"]
+    assert _check_resume(saved, current) == []
+    current["model"]["loss_chunk"] = 256
+    assert _check_resume(saved, current) == ["model.loss_chunk"]

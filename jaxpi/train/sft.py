@@ -51,7 +51,7 @@ class ModelConfig:
     # HF checkpoint directory, or "tiny-random" / "toy-random" (written into the run dir)
     base: str = TINY_RANDOM
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
-    remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch
+    remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp
     tiny_layers: int = 4  # depth of the "tiny-random" base
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, "jax" | "pallas"
     norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
@@ -359,21 +359,34 @@ def _load_hook(spec: str) -> Callable[[str, int], Any]:
         raise ValueError(f"train.eval_hook {spec!r} cannot be loaded: {e}") from e
 
 
-def _check_resume(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys of `_FIXED_ON_RESUME` whose values differ between two config dicts."""
-    diffs = []
+_MISSING = object()
 
-    def walk(a: Any, b: Any, key: str) -> None:
+
+def _check_resume(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys of `_FIXED_ON_RESUME` whose values differ between two config dicts.
+
+    A field the saved config lacks (a run saved before the field existed) counts as its default:
+    it differs only when the current run sets it to something else.
+    """
+    diffs = []
+    defaults = to_dict(SFTConfig())
+
+    def walk(a: Any, b: Any, default: Any, key: str) -> None:
+        if a is _MISSING:
+            a = default
         if isinstance(a, dict) and isinstance(b, dict):
+            d = default if isinstance(default, dict) else {}
             for k in sorted(set(a) | set(b)):
-                walk(a.get(k), b.get(k), f"{key}.{k}")
+                walk(a.get(k, _MISSING), b.get(k), d.get(k), f"{key}.{k}")
         elif a != b:
             diffs.append(key)
 
     for key in _FIXED_ON_RESUME:
         section, _, field = key.partition(".")
-        a, b = saved.get(section, {}), current.get(section, {})
-        walk(a.get(field) if field else a, b.get(field) if field else b, key)
+        a, b, d = (c.get(section, {}) for c in (saved, current, defaults))
+        if field:
+            a, b, d = a.get(field, _MISSING), b.get(field), d.get(field)
+        walk(a, b, d, key)
     return diffs
 
 
