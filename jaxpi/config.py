@@ -16,7 +16,7 @@ from typing import Any
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)

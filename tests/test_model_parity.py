@@ -30,8 +30,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxpi.config import TINY
 from jaxpi.convert.hf import CARRIED_PREFIXES, load_hf
@@ -123,6 +125,32 @@ def test_bf16_parity_tiny(seed: int, tmp_path):
     assert report.grads[0][1] <= BF16_GRAD_BOUND, table
     assert errs[len(errs) // 2] <= BF16_MEDIAN_GRAD_BOUND, table
     assert report.passed, table  # the harness's own bf16 thresholds
+
+
+def test_remat_mlp_saves_the_mlp_projections_and_matches_none(tmp_path, capsys):
+    """remat="mlp": the saved residuals of a layer are its MLP gate and up outputs (and the layer's
+    inputs), nothing else of the layer; loss and gradients as without remat."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxpi.train.step import next_token_loss
+
+    cfg = TINY.replace(num_hidden_layers=1)
+    hf_dir = make_checkpoint(tmp_path / "remat_mlp", cfg, seed=12)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 24))
+    _, model = load_hf(hf_dir)
+    _, loss_n, grads_n = jax_reference(model, ids)
+    _, model = load_hf(hf_dir, config_overrides={"remat": "mlp"})
+    _, loss_r, grads_r = jax_reference(model, ids)
+    assert abs(loss_r - loss_n) <= 1e-6 * abs(loss_n)
+    for path, g in grads_n.items():
+        assert np.linalg.norm(grads_r[path] - g) / np.linalg.norm(g) <= 1e-6, path
+    graphdef, params = nnx.split(model)
+    print_saved_residuals(lambda p: next_token_loss(nnx.merge(graphdef, p), jnp.asarray(ids)), params)
+    saved = capsys.readouterr().out
+    assert "named 'mlp_gate'" in saved and "named 'mlp_up'" in saved, saved
+    # The widest intermediate a rematerialised layer would otherwise keep: [B, T, intermediate].
+    wide = f"f32[2,24,{cfg.intermediate_size}]"
+    assert sum(wide in line for line in saved.splitlines()) == 2, saved
 
 
 @pytest.mark.slow

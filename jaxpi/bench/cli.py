@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpi.bench.config import DTYPES, PRESETS, BenchConfig, default_threads, make_config
+from jaxpi.config import REMAT_POLICIES
 
 # Decode budget per preset: enough tokens that the loop, not the prefill, dominates.
 NEW_TOKENS = {"tiny": 16, "mid": 64}
@@ -296,7 +297,7 @@ def _model_flags(p: argparse.ArgumentParser, *, depth_list: bool) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default=None)
+    p.add_argument("--remat", choices=list(REMAT_POLICIES), default=None)
     p.add_argument(
         "--kernels",
         choices=["jax", "pallas"],

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpi.config import FULL, QwenConfig
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
@@ -115,8 +116,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         key = dropout_key
-        gate = project(self, "gate_proj", x, "btd,df->btf", dropout_key=key)
-        up = project(self, "up_proj", x, "btd,df->btf", dropout_key=key)
+        # Named for the "mlp" remat policy, which keeps these two (the widest projections) and
+        # recomputes the rest; identities under every other policy.
+        gate = checkpoint_name(project(self, "gate_proj", x, "btd,df->btf", dropout_key=key), "mlp_gate")
+        up = checkpoint_name(project(self, "up_proj", x, "btd,df->btf", dropout_key=key), "mlp_up")
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return project(self, "down_proj", hidden, "btf,fd->btd", dropout_key=key)
 

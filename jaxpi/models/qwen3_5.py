@@ -29,6 +29,8 @@ REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the MLP's gate and up projections (named in jaxpi.models.layers.MLP), everything else recomputed
+    "mlp": jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up"),
 }
 
 # Layer groups per scan step. A rolled scan copies each step's slice of the stacked weights
