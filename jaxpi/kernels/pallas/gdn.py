@@ -54,6 +54,7 @@ import jax
 from jax.experimental.pallas import triton as plt
 
 from jaxpi.kernels.gated_delta import chunked_gated_delta_rule_with
+from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward
 
@@ -101,19 +102,6 @@ class KernelOptions:
         return block
 
 
-def _per_platform(fn: Callable[[str], Callable], opts: KernelOptions, *args: jax.Array):
-    """fn(mode)(*args) for mode "interpret", "triton", "mosaic" or "mosaic_interpret", chosen at
-    lowering time unless `interpret` forces it."""
-    if opts.interpret is True:
-        return fn("interpret")(*args)
-    if opts.interpret == "tpu":
-        return fn("mosaic_interpret")(*args)
-    branches = {"cuda": fn("triton"), "rocm": fn("triton"), "tpu": fn("mosaic")}
-    if opts.interpret is None:
-        branches["cpu"] = fn("interpret")
-    return jax.lax.platform_dependent(*args, **branches)
-
-
 def _forward(chunks: tuple[jax.Array, ...], s0: jax.Array, opts: KernelOptions, save_states: bool):
     precision = _PRECISIONS[opts.precision]
     params = plt.CompilerParams(num_warps=opts.num_warps, num_stages=opts.num_stages)
@@ -126,7 +114,7 @@ def _forward(chunks: tuple[jax.Array, ...], s0: jax.Array, opts: KernelOptions, 
         kw = dict(block_v=block_v, precision=precision, save_states=save_states, params=params)
         return lambda *a: gpu_forward(a[:-1], a[-1], interpret=mode == "interpret", **kw)
 
-    return _per_platform(build, opts, *chunks, s0)
+    return per_platform(build, opts.interpret, *chunks, s0)
 
 
 def _backward(chunks, states, dout, dfinal, opts: KernelOptions):
@@ -140,7 +128,7 @@ def _backward(chunks, states, dout, dfinal, opts: KernelOptions):
         kw = dict(block_v=opts.resolve_block_v(dfinal.shape[-1]), precision=precision, params=params)
         return lambda *a: gpu_backward(a[:6], *a[6:], interpret=mode == "interpret", **kw)
 
-    return _per_platform(build, opts, *chunks, states, dout, dfinal)
+    return per_platform(build, opts.interpret, *chunks, states, dout, dfinal)
 
 
 # ---- custom_vjp ----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.norms_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.norms_tpu import tpu_backward, tpu_forward
 
@@ -83,19 +84,6 @@ class NormOptions:
         return self.block_rows
 
 
-def _per_platform(build: Callable[[str], Callable], opts: NormOptions, *args: jax.Array):
-    """build(mode)(*args) for mode "interpret", "triton", "mosaic" or "mosaic_interpret", chosen at
-    lowering time unless `interpret` forces it."""
-    if opts.interpret is True:
-        return build("interpret")(*args)
-    if opts.interpret == "tpu":
-        return build("mosaic_interpret")(*args)
-    branches = {"cuda": build("triton"), "rocm": build("triton"), "tpu": build("mosaic")}
-    if opts.interpret is None:
-        branches["cpu"] = build("interpret")
-    return jax.lax.platform_dependent(*args, **branches)
-
-
 def _rows(a: jax.Array) -> jax.Array:
     # [..., D] -> [R, D]: the feature axis is the minor one, so no copy
     return a.reshape(-1, a.shape[-1])
@@ -119,7 +107,7 @@ def _forward(x: jax.Array, z: jax.Array | None, w: jax.Array, eps: float, opts: 
 
     # only arrays pass through platform_dependent: the gate is present or absent, never None
     arrays = (_rows(x), w) if z is None else (_rows(x), _rows(z), w)
-    return _per_platform(build, opts, *arrays).reshape(x.shape)
+    return per_platform(build, opts.interpret, *arrays).reshape(x.shape)
 
 
 def _backward(x, z, w, dy, eps: float, opts: NormOptions):
@@ -143,7 +131,7 @@ def _backward(x, z, w, dy, eps: float, opts: NormOptions):
         return run
 
     arrays = (_rows(x), w, _rows(dy)) if z is None else (_rows(x), _rows(z), w, _rows(dy))
-    dx, *dz, dw = _per_platform(build, opts, *arrays)
+    dx, *dz, dw = per_platform(build, opts.interpret, *arrays)
     return dx.reshape(x.shape), (dz[0].reshape(z.shape) if dz else None), dw.astype(w.dtype)
 
 
