@@ -2,9 +2,10 @@
 
 The hybrid stack dispatches on data: `cfg.layer_types` (from HF's config) decides which layers are
 Gated DeltaNet and which are gated attention. Layers are scanned in groups of one period of that
-pattern (4 for Qwen3.5: three DeltaNet layers then one attention layer), two groups per scan
-step, so the compiled program holds two group bodies whatever the depth; layers past the last
-whole group form an unrolled tail.
+pattern (4 for Qwen3.5: three DeltaNet layers then one attention layer): up to two groups run
+unrolled, with no loop; deeper stacks loop over one group per step, so the compiled program
+holds at most two group bodies whatever the depth. Layers past the last whole group form an
+unrolled tail.
 
     h      = embed[input_ids]                                  [B, T, D]
     h      = groups(h) → tail(h)                               (DecoderLayer each)
@@ -33,12 +34,20 @@ REMAT = {
     "mlp": jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up"),
 }
 
-# Layer groups per scan step. A rolled scan copies each step's slice of the stacked weights
-# (dynamic-slice) and stacks its residuals for the backward (dynamic-update-slice): on the CPU
-# these copies took a fifth of an 8-layer step. With two groups per step a 2-group model (8
-# Qwen3.5 layers) runs with no loop and static slices; the program holds two group bodies at
-# any depth, so compile time stays bounded (docs/performance.md: 13 s at 8 layers, 23 s at 64).
-SCAN_UNROLL = 2
+# Stacks of up to this many layer groups are unrolled. A loop copies each step's slice of the
+# stacked weights (dynamic-slice) and stacks its residuals for the backward
+# (dynamic-update-slice): on the CPU these copies took a fifth of an 8-layer step, which
+# unrolled (2 groups, 8 Qwen3.5 layers) has static slices instead. Deeper stacks loop over ONE
+# group per step: a loop body of two groups (461 loop-carried arrays at tiny) compiled 1.5x
+# slower than a body of one (tiny preset, 16 layers: 31 s against 20 s of CPU) and its step ran
+# 1.7x slower (mid preset, 16 layers, interleaved: 56 s against 33 s), so unrolling pays only
+# where it removes the loop (docs/performance.md, compile time against depth).
+UNROLL_GROUPS = 2
+
+
+def scan_unroll(groups: int) -> int:
+    """`unroll` of the layer-group scan: every step (no loop) up to `UNROLL_GROUPS`, else 1."""
+    return UNROLL_GROUPS if groups <= UNROLL_GROUPS else 1
 
 
 def layer_plan(cfg: QwenConfig) -> tuple[int, int]:
@@ -223,7 +232,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT[self.cfg.remat])
         with jax.named_scope("layer_groups"):
-            h, new = jax.lax.scan(body, h, (state, caches, firsts), unroll=SCAN_UNROLL)
+            h, new = jax.lax.scan(body, h, (state, caches, firsts), unroll=scan_unroll(g))
         return h, new
 
     # ---- decode cache ---------------------------------------------------------------------------
