@@ -4,6 +4,11 @@ Nothing is allocated: the model, its adapters and the optimizer state are abstra
 (`nnx.eval_shape`), and each timed repeat traces, lowers and compiles a fresh `jax.jit` of the
 step (what a user waits for on a cold start, with no compilation cache). One untimed compile of
 the first depth warms up the backend.
+
+Repeats visit the depths in turn (8, 16, 64, 8, 16, 64, ...) so that a load change on a shared
+machine falls on every depth alike, and each compile also reports the process's CPU seconds:
+XLA's CPU compiler is busy the whole time, so CPU time tracks the compiler's work where wall time
+also counts waiting for other processes.
 """
 
 from __future__ import annotations
@@ -44,39 +49,42 @@ def abstract_step(bench: BenchConfig, layers: int | None = None) -> tuple[Any, t
     return step, (params, opt_state, batch)
 
 
-def compile_once(step: Any, args: tuple) -> tuple[float, float]:
-    """(trace + lower seconds, compile seconds) of a fresh jit of `step`."""
+def compile_once(step: Any, args: tuple) -> tuple[float, float, float]:
+    """(trace + lower seconds, compile seconds, CPU seconds of both) of a fresh jit of `step`."""
     fresh = jax.jit(lambda p, o, b: step(p, o, b), donate_argnums=(0, 1))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     lowered = fresh.lower(*args)
     t1 = time.perf_counter()
     lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, time.process_time() - c0
 
 
 def compile_bench(bench: BenchConfig, layers: Sequence[int] = (8, 16, 64)) -> dict[str, Any]:
-    """Per depth: trace+lower and compile seconds (figures); ratio of the deepest to the shallowest."""
+    """Per depth: trace+lower, compile, total and CPU seconds (figures); the deepest depth's
+    median total (and CPU) seconds over the shallowest's."""
     if not layers or min(layers) < 1:
         raise ValueError(f"compile needs layer counts >= 1, got {list(layers)}")
     depths = sorted(set(layers))
+    steps = {n: abstract_step(bench, n) for n in depths}
+    for _ in range(bench.warmup):
+        compile_once(*steps[depths[0]])
+        jax.clear_caches()
+    times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in depths}
+    for _ in range(bench.repeats):
+        for n in depths:
+            times[n].append(compile_once(*steps[n]))
+            jax.clear_caches()  # the next compile starts cold, as a new process would
     out: dict[str, Any] = {"layers": {}}
-    for i, n in enumerate(depths):
-        step, args = abstract_step(bench, n)
-        if i == 0:
-            for _ in range(bench.warmup):
-                compile_once(step, args)
-        lower, comp = [], []
-        for _ in range(bench.repeats):
-            lo, co = compile_once(step, args)
-            lower.append(lo)
-            comp.append(co)
+    for n in depths:
+        lower, comp, cpu = (list(col) for col in zip(*times[n], strict=True))
         out["layers"][str(n)] = {
             "lower_s": figure(lower),
             "compile_s": figure(comp),
             "total_s": figure([a + b for a, b in zip(lower, comp, strict=True)]),
+            "cpu_s": figure(cpu),
         }
-        jax.clear_caches()
     lo, hi = out["layers"][str(depths[0])], out["layers"][str(depths[-1])]
     out["ratio_deepest_over_shallowest"] = hi["total_s"]["median"] / lo["total_s"]["median"]
+    out["ratio_cpu_deepest_over_shallowest"] = hi["cpu_s"]["median"] / lo["cpu_s"]["median"]
     out["deepest"], out["shallowest"] = depths[-1], depths[0]
     return out
