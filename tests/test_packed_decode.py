@@ -63,7 +63,10 @@ def test_packed_gradients_equal_separate_gradients(model, ids):
     g_a = grad(params, ids[:1, :20])
     g_b = grad(params, ids[:1, 20:])
     flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
-    assert rel(flat(g_packed), flat(g_a) + flat(g_b)) < 1e-4
+    # Measured 1.22e-4. Each side is itself that far from a float64 run of the same weights (packed
+    # 1.30e-4, separate 8.2e-5; the decay parameters A_log and dt_bias lead), so 3e-4 is the
+    # float32 floor with room; ignoring the boundary (no segment ids) gives 1.02.
+    assert rel(flat(g_packed), flat(g_a) + flat(g_b)) < 3e-4
 
 
 def test_prefill_then_decode_reproduces_the_full_forward(model, ids):
