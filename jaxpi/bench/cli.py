@@ -258,9 +258,15 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"  {n:>3} layers   {_f(v['total_s'])} s   (lower {v['lower_s']['median']:.2f}, "
                 f"compile {v['compile_s']['median']:.2f})"
+                + (f"   CPU {_f(v['cpu_s'])} s" if "cpu_s" in v else "")
             )
         lines.append(
             f"  {c['deepest']} / {c['shallowest']} layers: {c['ratio_deepest_over_shallowest']:.2f}×"
+            + (
+                f" wall, {c['ratio_cpu_deepest_over_shallowest']:.2f}× CPU"
+                if "ratio_cpu_deepest_over_shallowest" in c
+                else ""
+            )
         )
     if "profile" in res:
         pr = res["profile"]
