@@ -69,3 +69,9 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         raise ValueError(f"activation of shape {x.shape} annotated with {len(axes)} axes {axes}")
     sharding = _resolver[-1](tuple(axes), tuple(x.shape))
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def current_resolver() -> ActivationResolver | None:
+    """The resolver the innermost `activation_sharding` installed (None outside one, or if it
+    installed None): what kernels that must run per shard (the Pallas calls) read the mesh from."""
+    return _resolver[-1] if _resolver else None

@@ -57,6 +57,7 @@ from jaxpi.kernels.gated_delta import chunked_gated_delta_rule_with
 from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward
+from jaxpi.kernels.pallas.sharded import sharded_gated_delta_rule
 
 # "highest": IEEE float32 products (the parity setting); "tf32": Triton's TF32 tensor-core dots
 # (10-bit mantissa), what XLA may pick for the plain-JAX path's fp32 dots on NVIDIA GPUs (and on
@@ -178,21 +179,28 @@ def pallas_chunk_gated_delta_rule(
     """`chunk_gated_delta_rule` with the chunk recurrence in Pallas; same arguments and results.
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None;
-    segment_ids [B, T] or None. The other keywords: see `KernelOptions`.
+    segment_ids [B, T] or None. The other keywords: see `KernelOptions`. Traced under a mesh (an
+    activation resolver installed), the whole rule runs per (batch, value head) shard in
+    `jax.shard_map` (`jaxpi.kernels.pallas.sharded`).
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
     opts = KernelOptions(
         block_v=block_v, interpret=interpret, precision=precision, num_warps=num_warps, num_stages=num_stages
     )
-    return chunked_gated_delta_rule_with(
-        lambda chunks, state: pallas_chunk_scan(chunks, state, opts),
-        q,
-        k,
-        v,
-        g,
-        beta,
-        chunk_size=chunk_size,
-        initial_state=initial_state,
-        segment_ids=segment_ids,
-        use_qk_l2norm=use_qk_l2norm,
-    )
+
+    def rule(q, k, v, g, beta, initial_state, segment_ids):
+        return chunked_gated_delta_rule_with(
+            lambda chunks, state: pallas_chunk_scan(chunks, state, opts),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=chunk_size,
+            initial_state=initial_state,
+            segment_ids=segment_ids,
+            use_qk_l2norm=use_qk_l2norm,
+        )
+
+    # under a mesh: once per (batch, value head) shard inside shard_map (see `sharded`)
+    return sharded_gated_delta_rule(rule, q, k, v, g, beta, initial_state, segment_ids)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.norms_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.norms_tpu import tpu_backward, tpu_forward
+from jaxpi.kernels.pallas.sharded import sharded_norm
 
 # GPU programs take up to this many rows (in tiles of `tile_rows`): the dw partials are then 1/64 of
 # the rows; fewer when that leaves fewer than two programs per SM of an H100/H200 (132 SMs)
@@ -190,12 +191,14 @@ def pallas_rms_norm(
     tile_rows: int | None = None,
     interpret: bool | str | None = None,
     num_warps: int | None = None,
+    axes: Sequence[str | None] | None = None,
 ) -> jax.Array:
     """`norms.rms_norm` in Pallas: `x̂ · (1 + w)` over the last axis; x [..., D], weight [D].
-    Output in x's dtype; the other keywords: see `NormOptions`."""
+    Output in x's dtype. `axes`: x's logical axes, read only under a mesh (see `sharded_norm`);
+    the other keywords: see `NormOptions`."""
     _check_shapes(x, weight)
     opts = NormOptions(block_rows=block_rows, tile_rows=tile_rows, interpret=interpret, num_warps=num_warps)
-    return _rms(x, weight, float(eps), opts)
+    return sharded_norm(lambda x, _, w: _rms(x, w, float(eps), opts), x, None, weight, axes)
 
 
 def pallas_gated_rms_norm(
@@ -208,8 +211,10 @@ def pallas_gated_rms_norm(
     tile_rows: int | None = None,
     interpret: bool | str | None = None,
     num_warps: int | None = None,
+    axes: Sequence[str | None] | None = None,
 ) -> jax.Array:
-    """`norms.gated_rms_norm` in Pallas: `w · x̂ · silu(gate)`; x, gate [..., D], weight [D]."""
+    """`norms.gated_rms_norm` in Pallas: `w · x̂ · silu(gate)`; x, gate [..., D], weight [D].
+    `axes`: as for `pallas_rms_norm`."""
     _check_shapes(x, weight, gate)
     opts = NormOptions(block_rows=block_rows, tile_rows=tile_rows, interpret=interpret, num_warps=num_warps)
-    return _gated(x, gate, weight, float(eps), opts)
+    return sharded_norm(lambda x, z, w: _gated(x, z, w, float(eps), opts), x, gate, weight, axes)
