@@ -260,6 +260,9 @@ def test_norm_axes_are_explicit_or_by_rank():
             assert maps[0].params["in_specs"] == (want, P()), axes
         with pytest.raises(ValueError, match=r"norm input of shape \(4, 8, 2, 16\) annotated with 3 axes"):
             jax.eval_shape(functools.partial(pallas_rms_norm, axes=("batch", "seq", None)), x, w)
+        clash = "norm input: logical axes 'q_heads' and 'kv_heads' are both split over mesh axis 'tensor'"
+        with pytest.raises(ValueError, match=clash):
+            jax.eval_shape(functools.partial(pallas_rms_norm, axes=(None, "q_heads", "kv_heads", None)), x, w)
 
 
 # ---- lowered for the accelerators under the mesh ----------------------------------------------------

@@ -79,12 +79,25 @@ class MeshLayout:
             axes = axes[:-1]  # the longest prefix that divides, as sharding.spec_for keeps
         return axes
 
-    def entry(self, logical: str | None, size: int) -> Entry:
-        """`mesh_axes` as one PartitionSpec entry."""
-        axes = self.mesh_axes(logical, size)
-        return None if not axes else axes[0] if len(axes) == 1 else axes
+    def spec(self, tensor: str, logical_axes: Sequence[str | None], shape: Sequence[int]) -> P:
+        """The PartitionSpec of a kernel operand; a None logical axis stays whole. Two logical axes
+        on one mesh axis are an error naming the operand (the model's `constrain` raises first)."""
+        claimed: dict[str, str] = {}
+        entries: list[Entry] = []
+        for logical, size in zip(logical_axes, shape, strict=True):
+            axes = self.mesh_axes(logical, size)
+            for a in axes:
+                if a in claimed:
+                    raise ValueError(
+                        f"{tensor}: logical axes {claimed[a]!r} and {logical!r} are both split over mesh axis {a!r}"
+                    )
+                claimed[a] = logical
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*entries)
 
-    def shards(self, axes: Sequence[str]) -> int:
+    def shards(self, entry: Entry) -> int:
+        """How many pieces a PartitionSpec entry cuts its dimension into."""
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
         return math.prod(self.mesh.shape[a] for a in axes)
 
 
@@ -132,13 +145,13 @@ def sharded_gated_delta_rule(
     hk, hv = k.shape[2], v.shape[2]
     if layout is None or hv % hk:  # uneven GQA: the rule's own error, with the whole shapes
         return rule(q, k, v, g, beta, initial_state, segment_ids)
-    b = layout.entry("batch", v.shape[0])
-    heads = layout.mesh_axes("gdn_v_heads", hv)
-    h = None if not heads else heads[0] if len(heads) == 1 else heads
-    if hk % layout.shards(heads):
+    # the sequence and head_dim whole: None (a split one is gathered at the boundary)
+    tokens = layout.spec("gated delta rule v", ("batch", None, "gdn_v_heads", None), v.shape)
+    b, h = tokens[0], tokens[2]
+    if hk % layout.shards(h):
         # the key heads do not split into the value heads' blocks: give q/k the value heads
         q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))  # [B, T, Hk, Dk] -> [B, T, Hv, Dk]
-    tokens, gates, state = P(b, None, h, None), P(b, None, h), P(b, h, None, None)
+    gates, state = P(b, None, h), P(b, h, None, None)
     has_state, has_segments = initial_state is not None, segment_ids is not None
     optional = [x for x in (initial_state, segment_ids) if x is not None]
     optional_specs = [state] * has_state + [P(b, None)] * has_segments
@@ -180,7 +193,7 @@ def sharded_norm(
     axes = default_norm_axes(layout, x.ndim) if axes is None else tuple(axes)
     if len(axes) != x.ndim:
         raise ValueError(f"norm input of shape {x.shape} annotated with {len(axes)} axes {axes}")
-    rows = P(*(layout.entry(a, n) for a, n in zip(axes[:-1], x.shape[:-1], strict=True)), None)
+    rows = layout.spec("norm input", (*axes[:-1], None), x.shape)  # the normalised axis whole
     if gate is None:
         return run_sharded(lambda x, w: kernel(x, None, w), layout, (rows, P()), rows, x, weight)
     return run_sharded(kernel, layout, (rows, rows, P()), rows, x, gate, weight)
