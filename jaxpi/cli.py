@@ -152,6 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             remat=args.remat,
             dcn=args.dcn,
+            loss_chunk=args.loss_chunk,
         )
         results.append(plan(req, progress=not args.json))
     if args.json:
@@ -286,7 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory", type=_size, default=None, help="e.g. 95GiB; exit 1 when it does not fit"
     )
     pl.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    pl.add_argument("--remat", choices=["none", "full", "dots", "dots_no_batch"], default="full")
+    from jaxpi.config import REMAT_POLICIES
+
+    pl.add_argument(
+        "--remat",
+        choices=REMAT_POLICIES,
+        default="full",
+        help="what each layer group saves for the backward (mlp: its MLP gate/up outputs)",
+    )
+    pl.add_argument(
+        "--loss-chunk", type=int, default=0, help="LM head this many positions at a time (0: all at once)"
+    )
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
 

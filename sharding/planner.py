@@ -14,16 +14,20 @@ Compiling for XLA:CPU stands in for the accelerator's compiler: the SPMD partiti
 decides the collectives) is shared, but buffer assignment and fusion are the CPU's. Two CPU habits
 are switched off in the planner process (see `planner_xla_flags`): bf16 matmul "normalisation" to
 float32 (TPU/GPU multiply bf16 natively) and hoisting per-layer weight conversions out of the layer
-loop. Differences that remain are discussed in docs/sharding.md.
+loop. Two more keep remat's savings, which XLA:CPU otherwise undoes: common-subexpression
+elimination is off per compile (`PLANNER_COMPILE_OPTIONS`) and the memory-minimising schedule is
+chosen (`MEMORY_SCHEDULER_FLAG`). Differences that remain are discussed in docs/sharding.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,9 +38,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpi.config import FULL, QwenConfig, preset
+from jaxpi.config import FULL, LINEAR, REMAT_POLICIES, QwenConfig, preset
+from jaxpi.kernels.attention import ATTN_BLOCK
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
-from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_plan
+from jaxpi.models.qwen3_5 import UNROLL_GROUPS, Qwen3_5ForCausalLM, layer_plan
 from jaxpi.train.step import init_opt_state, jit_train_step, make_train_step, split_trainable
 from sharding.hlo import KINDS, Collectives, count_collectives
 from sharding.mesh import make_mesh, parse_mesh_spec
@@ -53,11 +58,46 @@ from sharding.strategies import (
 GiB = 1024**3
 
 
+# Per compile: no common-subexpression elimination. XLA:CPU drops remat's optimisation barriers
+# before its CSE runs, which then merges the backward's recomputation back into the forward it
+# repeats: every remat policy compiled like "none" (a remat'd 8-layer toy: 119 dots lowered, 95
+# compiled, as many as without remat). The loop-invariant motion stays off as in
+# `planner_xla_flags` (this list replaces that one). The two LLVM settings only shorten machine
+# code generation, which the memory figures do not depend on (tiny: same temp bytes, compile
+# time halved).
+PLANNER_COMPILE_OPTIONS = {
+    "xla_disable_hlo_passes": "cse,while-loop-invariant-code-motion",
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+
+
+# XLA:CPU's default schedule is built for concurrency (breadth first): it runs each remat unit's
+# recomputation as soon as its inputs exist, during the forward, so every layer's recomputed
+# intermediates are live at once and remat saves nothing. The depth-first, memory-minimising
+# schedule is the one that stands in for an accelerator's memory-aware scheduler. XLA:CPU reads
+# this choice from XLA_FLAGS only (as a compile option it is accepted and ignored).
+MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
 def planner_xla_flags(num_devices: int) -> str:
     """XLA_FLAGS for a planning process (set before jax initialises its backend)."""
     from jaxpi.cli import _plan_flags
 
-    return _plan_flags(num_devices)
+    return f"{_plan_flags(num_devices)} {MEMORY_SCHEDULER_FLAG}"
+
+
+def _prefer_memory_scheduler() -> None:
+    """Add `MEMORY_SCHEDULER_FLAG` to XLA_FLAGS while the backend has not started yet."""
+    from jaxpi.cli import _jax_backend_started
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "concurrency_optimized_scheduler" not in flags and not _jax_backend_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
+
+
+# `jaxpi plan` imports this module after setting its XLA_FLAGS and before the backend starts.
+_prefer_memory_scheduler()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +112,15 @@ class PlanRequest:
     dtype: str = "bfloat16"
     remat: str = "full"
     dcn: str | None = None
+    loss_chunk: int = 0  # the LM head this many positions at a time (0: all at once)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch_per_device < 1:
             raise ValueError("seq_len must be >= 2 and batch_per_device >= 1")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {self.remat!r} is not one of {REMAT_POLICIES}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError("lora_rank must be >= 1")
         parse_mesh_spec(self.mesh)
@@ -165,7 +210,7 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     dcn = parse_mesh_spec(req.dcn) if req.dcn else None
     mesh = make_mesh(req.mesh, dcn=dcn, devices=devices[:n])
     strategy = get_strategy(req.strategy)
-    cfg = preset(req.model).replace(remat=req.remat)
+    cfg = preset(req.model).replace(remat=req.remat, loss_chunk=req.loss_chunk)
     dtype = jnp.dtype(req.dtype)
     trainable = LoRAParam if req.lora_rank else nnx.Param
 
@@ -187,10 +232,16 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     step = make_train_step(graphdef, optimizer, trainable=trainable)
     jitted = jit_train_step(step, p_shard, o_shard, {"input_ids": bs}, mesh, strategy, fallbacks=fallbacks)
 
+    if MEMORY_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        warnings.warn(
+            f"XLA_FLAGS lacks {MEMORY_SCHEDULER_FLAG}: the compiled temporaries ignore remat "
+            "(XLA:CPU's concurrency schedule recomputes during the forward)",
+            stacklevel=2,
+        )
     label = f"compiling {req.strategy} on {req.mesh} ({n} devices)"
     start = time.perf_counter()
     with _spinner(label, progress):
-        compiled = jitted.lower(state, opt_abstract, batch).compile()
+        compiled = jitted.lower(state, opt_abstract, batch).compile(compiler_options=PLANNER_COMPILE_OPTIONS)
     seconds = time.perf_counter() - start
 
     mem = compiled.memory_analysis()
@@ -276,75 +327,173 @@ class _Setup:
     p_shard: Any
 
 
-def _activation_estimate(setup: _Setup, train_local: int) -> int:
-    """Temporary bytes per device for one step with remat per layer group.
+@dataclasses.dataclass(frozen=True)
+class _LayerBytes:
+    """Bytes per device of one layer's forward intermediates, by what the remat policies keep.
 
-    live = the residual stream saved at every group boundary
-         + one group's recomputed forward intermediates during its backward
-         + float32 logits and their gradient (the loss over the full vocabulary)
-         + the gradients of the trainable weights
-         + one group's parameters gathered (when the strategy shards them)
+    `total` is what autodiff keeps for the layer's backward without remat; `proj` the outputs of
+    its weight projections (dot_generals without batch dimensions, the subset `dots_no_batch`
+    saves), of which `mlp_gate_up` are the MLP's gate and up outputs (the "mlp" policy's names);
+    `batched` the outputs of its batched dot_generals (attention scores and block outputs, the
+    delta rule's chunk products and states), which `dots` saves on top of `proj`.
     """
-    cfg, req, strategy, sizes, state, p_shard = (
-        setup.cfg,
-        setup.req,
-        setup.strategy,
-        setup.sizes,
-        setup.state,
-        setup.p_shard,
+
+    total: int
+    proj: int
+    mlp_gate_up: int
+    batched: int
+
+    def kept(self, remat: str) -> int:
+        """Bytes the policy saves in the forward for this layer's backward (the rest is recomputed)."""
+        return {
+            "none": self.total,
+            "full": 0,
+            "mlp": self.mlp_gate_up,
+            "dots_no_batch": self.proj,
+            "dots": self.proj + self.batched,
+        }[remat]
+
+
+def _attention_block_elems(t: int, block: int) -> int:
+    """Score elements per (batch row, head) of `causal_attention`: block i holds [hi - lo, hi].
+
+    Σ over blocks of (hi - lo) · hi ≈ T · (T + c) / 2: the blocks skip the masked upper triangle,
+    but autodiff keeps every block's probabilities for the backward, so it is about half the
+    dense [T, T], not one block's worth (a flash kernel would keep only [T] statistics).
+    """
+    c = min(block, t)
+    return sum((min(lo + c, t) - lo) * min(lo + c, t) for lo in range(0, t, c))
+
+
+def _layer_bytes(setup: _Setup, b: int) -> dict[str, _LayerBytes]:
+    """`_LayerBytes` of each layer type, MLP included, for `b` rows of `seq_len` tokens."""
+    cfg, req = setup.cfg, setup.req
+    t, d, f, act = req.seq_len, cfg.hidden_size, cfg.intermediate_size, jnp.dtype(req.dtype).itemsize
+    loc = lambda axes, shape: _local(setup.strategy, setup.sizes, axes, shape)  # noqa: E731
+    resid = loc(("batch", "seq", "embed"), (b, t, d))
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
     )
-    b = req.batch_per_device * _degree(("batch",), strategy, sizes)
-    t, d, act = req.seq_len, cfg.hidden_size, jnp.dtype(req.dtype).itemsize
-    loc = lambda axes, shape: _local(strategy, sizes, axes, shape)  # noqa: E731
-    p, g = layer_plan(cfg)
-    resid = loc(("batch", "seq", "embed"), (b, t, d)) * act
-    saved = resid * (g + len(cfg.layer_types) - p * g)
-    per_type = {
-        FULL: (
-            2 * loc(("batch", "seq", "embed"), (b, t, d))
-            + 2
-            * loc(("batch", "seq", "q_heads", "head_dim"), (b, t, cfg.num_attention_heads, 2 * cfg.head_dim))
-            + 2 * loc(("batch", "seq", "kv_heads", "head_dim"), (b, t, cfg.num_key_value_heads, cfg.head_dim))
-        )
-        * act
-        # scores and probabilities [B, Hq, T, T] in float32 (attention is not flash-tiled yet)
-        + 2 * loc(("batch", "q_heads", "seq", None), (b, cfg.num_attention_heads, t, t)) * 4,
-        "linear_attention": (
-            2 * loc(("batch", "seq", "embed"), (b, t, d))
-            + 2
-            * loc(
-                ("batch", "seq", "gdn_k_heads", "head_dim"),
-                (b, t, 2 * cfg.linear_num_key_heads, cfg.linear_key_head_dim),
-            )
-            + 4
-            * loc(
-                ("batch", "seq", "gdn_v_heads", "head_dim"),
-                (b, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim),
-            )
-        )
-        * act
-        # the chunked delta rule keeps float32 [B, Hv, T, C] within-chunk matrices and per-chunk states
-        + 3
-        * loc(("batch", "gdn_v_heads", "seq", None), (b, cfg.linear_num_value_heads, t, cfg.gdn_chunk_size))
-        * 4
-        + loc(
-            ("batch", "gdn_v_heads", None, None),
-            (
-                b,
-                cfg.linear_num_value_heads,
-                t // cfg.gdn_chunk_size + 1,
-                cfg.linear_key_head_dim * cfg.linear_value_head_dim,
-            ),
-        )
-        * 4,
+
+    # MLP: gate and up [B, T, F] (the projections "mlp" keeps), silu(gate)·up, down [B, T, D];
+    # its input (the post-norm residual) and that input normalised.
+    gate_up = 2 * loc(("batch", "seq", "mlp"), (b, t, f)) * act
+    mlp_proj = gate_up + resid * act
+    mlp_total = gate_up + loc(("batch", "seq", "mlp"), (b, t, f)) * act + 2 * resid * act
+
+    # Gated attention: q|gate [B, T, Hq, 2d], k and v [B, T, Hkv, d], o_proj [B, T, D] projected;
+    # q, k normed and rotated; per score element of each query block the float32 softmax output
+    # and the probabilities in the activation dtype; block outputs [B, T, Hq, d] and their gated
+    # copy; the layer input and its norm.
+    q = loc(("batch", "seq", "q_heads", "head_dim"), (b, t, hq, hd))
+    kv = loc(("batch", "seq", "kv_heads", "head_dim"), (b, t, hkv, hd))
+    scores = loc(("batch", "q_heads", None), (b, hq, _attention_block_elems(t, ATTN_BLOCK)))
+    attn_proj = (2 * q + 2 * kv + resid) * act
+    attn_total = attn_proj + (2 * q + kv + 2 * resid) * act + scores * (4 + act)
+    # `dots` saves the float32 scores of every block (a batched dot) and the block outputs.
+    attn_batched = scores * 4 + q * act
+
+    # Gated DeltaNet: q, k [B, T, Hk, dk], v, z [B, T, Hv, dv], a, b [B, T, Hv] and out_proj
+    # projected; the conv outputs and normalised q, k; the chunked delta rule's float32 products
+    # (k·kᵀ, its inverse, q·kᵀ: [B, Hv, T, C] each; u, w, delta, out: [B, Hv, T, dk|dv]) and the
+    # per-chunk states [B, Hv, T/C + 1, dk·dv]; the core output and its gated norm.
+    qk = loc(("batch", "seq", "gdn_k_heads", "head_dim"), (b, t, 2 * hk, dk))
+    vz = loc(("batch", "seq", "gdn_v_heads", "head_dim"), (b, t, 2 * hv, dv))
+    ab = loc(("batch", "seq", "gdn_v_heads"), (b, t, 2 * hv))
+    chunk = cfg.gdn_chunk_size
+    per_chunk = loc(("batch", "gdn_v_heads", "seq", None), (b, hv, t, 3 * chunk + dk + 3 * dv))
+    states = loc(("batch", "gdn_v_heads", None, None), (b, hv, t // chunk + 1, dk * dv))
+    gdn_batched = (per_chunk + states) * 4
+    gdn_proj = (qk + vz + ab + resid) * act
+    gdn_total = gdn_proj + (qk + vz + 2 * resid) * act + gdn_batched
+
+    return {
+        FULL: _LayerBytes(attn_total + mlp_total, attn_proj + mlp_proj, gate_up, attn_batched),
+        LINEAR: _LayerBytes(gdn_total + mlp_total, gdn_proj + mlp_proj, gate_up, gdn_batched),
     }
-    mlp = 3 * loc(("batch", "seq", "mlp"), (b, t, cfg.intermediate_size)) * act
-    group_types = cfg.layer_types[:p] if g else cfg.layer_types
-    group_live = sum(per_type[ty] + mlp for ty in group_types)
-    logits = 2 * loc(("batch", "seq", "vocab"), (b, t, cfg.vocab_size)) * 4
-    full, local = _group_param_bytes(state, p_shard)
+
+
+def _logits_bytes(setup: _Setup, b: int) -> int:
+    """The LM head's live logits: float32 logits and their gradient for `loss_chunk` positions at
+    a time (all T when 0), plus the activation-dtype logits they are upcast from."""
+    cfg, req = setup.cfg, setup.req
+    t = req.seq_len if not 0 < req.loss_chunk < req.seq_len else req.loss_chunk
+    elems = _local(setup.strategy, setup.sizes, ("batch", "seq", "vocab"), (b, t, cfg.vocab_size))
+    act = jnp.dtype(req.dtype).itemsize
+    return elems * (2 * 4 + (act if act < 4 else 0))
+
+
+def _temp_terms(setup: _Setup, train_local: int) -> dict[str, int]:
+    """The terms of the temporary bytes per device of one step, under the request's remat policy
+    and loss chunk. Live throughout the backward:
+
+      saved           what the forward saves across the whole stack for the backward;
+      trainable_grads the gradients of the trainable weights;
+
+    and, one after the other (the peak takes the larger):
+
+      loss_phase      the LM head's float32 logits and their gradient (`loss_chunk` positions
+                      of them when set), plus the last unit's backward when that runs beside it;
+      layer_phase     one remat unit's backward: its recomputed intermediates, one layer's
+                      gradients (taken as the size of its intermediates) and the unit's weights
+                      gathered (when the strategy shards them).
+
+    A remat unit is a scanned layer group (jax.checkpoint wraps the group body) or one tail
+    layer. What each policy saves across the stack, per layer (`_LayerBytes`):
+      none          every intermediate of every layer; nothing recomputed;
+      full          the residual stream at each unit boundary only;
+      mlp           the boundaries + every layer's MLP gate and up outputs [B, T, F];
+      dots_no_batch the boundaries + every weight projection's output;
+      dots          those + every batched dot: float32 attention scores of every query block
+                    and the delta rule's chunk products. The dots policies are the roughest:
+                    which dot_generals XLA keeps, and which elementwise results it fuses into
+                    them, is decided by the compiler.
+    Attention is blocked (`causal_attention`): per layer about T·(T + c)/2 score elements per head
+    live for the backward, in float32 plus the activation dtype.
+    """
+    req, strategy, sizes = setup.req, setup.strategy, setup.sizes
+    cfg = setup.cfg
+    b = req.batch_per_device * _degree(("batch",), strategy, sizes)
+    act = jnp.dtype(req.dtype).itemsize
+    resid = _local(strategy, sizes, ("batch", "seq", "embed"), (b, req.seq_len, cfg.hidden_size)) * act
+    layers = _layer_bytes(setup, b)
+    p, g = layer_plan(cfg)
+    units = ([cfg.layer_types[:p]] if g else []) + [(ty,) for ty in cfg.layer_types[p * g :]]
+    n_units = g + len(cfg.layer_types) - p * g
+    saved = sum(layers[ty].kept(req.remat) for ty in cfg.layer_types)
+    if req.remat != "none":
+        saved += resid * n_units  # each unit's input, what the recomputation starts from
+    full, local = _group_param_bytes(setup.state, setup.p_shard)
     gathered = 2 * (full - local)
-    return int(saved + group_live + logits + train_local + gathered)
+    grads = max(layers[ty].total for ty in set(cfg.layer_types))
+
+    def backward(unit: tuple[str, ...]) -> int:
+        """One unit's backward: its recomputed intermediates, one layer's gradients, its weights."""
+        return sum(layers[ty].total - layers[ty].kept(req.remat) for ty in unit) + grads + gathered
+
+    # Outside the layer loop (a tail layer, or a stack of at most UNROLL_GROUPS groups, unrolled)
+    # the last unit's recomputation and backward may run beside the loss's backward: XLA schedules
+    # them together (tiny, 4 tail layers: chunking the loss lowers the compiled temp by 0.6 of the
+    # logits term). Inside the loop they come after it (27B: chunking leaves the temp unchanged).
+    in_loop = p * g == len(cfg.layer_types) and g > UNROLL_GROUPS
+    logits = _logits_bytes(setup, b)
+    return {
+        "saved": saved,
+        "trainable_grads": train_local,
+        "loss_phase": logits + (0 if in_loop else backward(units[-1])),
+        "layer_phase": max(backward(u) for u in units),
+    }
+
+
+def _activation_estimate(setup: _Setup, train_local: int) -> int:
+    """Temporary bytes per device: the saved stack and the trainable gradients, plus the larger of
+    the backward's two phases (see `_temp_terms`)."""
+    t = _temp_terms(setup, train_local)
+    return int(t["saved"] + t["trainable_grads"] + max(t["loss_phase"], t["layer_phase"]))
 
 
 def _collectives_estimate(setup: _Setup, train: Any, train_shard: Any) -> Collectives:
@@ -452,6 +601,7 @@ def format_table(results: list[PlanResult]) -> str:
     lines.insert(
         0,
         f"{r0.model}  seq {r0.seq_len}  batch/device {r0.batch_per_device}  dtype {r0.dtype}  remat {r0.remat}"
+        + (f"  loss_chunk {r0.loss_chunk}" if r0.loss_chunk else "")
         + (f"  LoRA rank {r0.lora_rank}" if r0.lora_rank else "  full fine-tuning"),
     )
     notes = sorted({f for r in results for f in r.fallbacks})
