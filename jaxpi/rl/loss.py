@@ -116,11 +116,11 @@ def sequence_logprobs(
     predicts the first token): the batch layout of `logp_old` / `logp_engine` / `logp_ref`."""
     kw = {} if dropout_key is None else {"dropout_key": dropout_key}
     chunk = loss_chunk(model)
+    hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
     if chunk:  # the LM head a chunk of positions at a time (QwenConfig.loss_chunk)
-        hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
         lp = target_logprobs(hidden[:, :-1], lm_head_weight(model), input_ids[:, 1:], chunk=chunk)
     else:
-        logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
+        logits = model.logits(hidden[:, :-1])  # [B, T-1, V]: the head on the predicting positions only
         lp = token_logprobs(logits, input_ids[:, 1:])  # [B, T-1]
     return jnp.pad(lp, ((0, 0), (1, 0)))
 

@@ -53,12 +53,13 @@ def next_token_loss(
     kw = {} if dropout_key is None else {"dropout_key": dropout_key}
     targets = input_ids[:, 1:]
     chunk = loss_chunk(model)
+    hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
     if chunk:
         # The LM head a chunk of positions at a time: the [B, T, V] logits never exist whole.
-        hidden, _ = model.hidden_states(input_ids, positions, segment_ids, **kw)
         nll = -target_logprobs(hidden[:, :-1], lm_head_weight(model), targets, chunk=chunk)
     else:
-        logits = model(input_ids, positions=positions, segment_ids=segment_ids, **kw)[:, :-1]  # [B, T-1, V]
+        # The head on the T-1 predicting positions: slicing [B, T, V] logits instead would copy them.
+        logits = model.logits(hidden[:, :-1])  # [B, T-1, V]
         # logsumexp − target logit is log-softmax without materialising [B, T, V] log-probs in fp32
         # (for a 248k vocabulary that array dwarfs the model's other activations). At least fp32:
         # bf16 logits are upcast, fp64 ones (numerical checks) kept.
