@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,12 +142,21 @@ _RMS = {b: _make_rms_norm(b) for b in (None, "rmsnorm-dx-no-offset", "rmsnorm-dx
 _GATED = {b: _make_gated_norm(b) for b in (None, "gated-norm-pre-gate")}
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, impl: str = "jax") -> jax.Array:
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    eps: float = 1e-6,
+    *,
+    impl: str = "jax",
+    axes: Sequence[str | None] | None = None,
+) -> jax.Array:
     """Zero-centred RMSNorm over the last axis: `x̂ · (1 + w)`; x `[..., D]`, weight `[D]`.
 
     impl: "jax" (these custom_vjp functions: the reference and the CPU path) or "pallas" (the same
     math as Pallas kernels, `jaxpi.kernels.pallas.norms`: compiled on GPU/TPU, interpreted on CPU).
     `inject_bug` swaps the backward of the "jax" path only; the Pallas kernels ignore it.
+    `axes`: x's logical axes, read by the Pallas path under a mesh (which dims its shard_map
+    splits); the plain path needs none (XLA partitions it).
     """
     if impl == "jax":
         return _RMS.get(_active_bug, _RMS[None])(x, weight, eps)
@@ -155,23 +164,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, impl: str = 
         # imported here: the Pallas kernels are only traced when asked for
         from jaxpi.kernels.pallas.norms import pallas_rms_norm
 
-        return pallas_rms_norm(x, weight, eps)
+        return pallas_rms_norm(x, weight, eps, axes=axes)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def gated_rms_norm(
-    x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6, *, impl: str = "jax"
+    x: jax.Array,
+    gate: jax.Array,
+    weight: jax.Array,
+    eps: float = 1e-6,
+    *,
+    impl: str = "jax",
+    axes: Sequence[str | None] | None = None,
 ) -> jax.Array:
     """Gated RMSNorm over the last axis: `w · x̂ · silu(gate)`; x, gate `[..., D]`, weight `[D]`.
 
-    impl: "jax" or "pallas", as for `rms_norm` (`inject_bug` applies to "jax" only).
+    impl, axes: as for `rms_norm` (`inject_bug` applies to "jax" only).
     """
     if impl == "jax":
         return _GATED.get(_active_bug, _GATED[None])(x, gate, weight, eps)
     if impl == "pallas":
         from jaxpi.kernels.pallas.norms import pallas_gated_rms_norm
 
-        return pallas_gated_rms_norm(x, gate, weight, eps)
+        return pallas_gated_rms_norm(x, gate, weight, eps, axes=axes)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 

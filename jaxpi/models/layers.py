@@ -24,6 +24,12 @@ from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 
+# Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
+RESID_AXES = ("batch", "seq", "embed")
+Q_AXES = ("batch", "seq", "q_heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+GDN_V_AXES = ("batch", "seq", "gdn_v_heads", "head_dim")
+
 Cache = dict[str, jax.Array]
 
 
@@ -160,12 +166,12 @@ class GatedAttention(nnx.Module):
             q, gate = qg[..., :hd], qg[..., hd:]
             k = project(self, "k_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
             v = project(self, "v_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=Q_AXES)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=KV_AXES)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
-            q = constrain(q, ("batch", "seq", "q_heads", "head_dim"))
-            k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
-            v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+            q = constrain(q, Q_AXES)
+            k = constrain(k, KV_AXES)
+            v = constrain(v, KV_AXES)
         if cache is None:
             # Positions increase within each segment here, so the blocked causal core (by index)
             # equals the positional mask of `attention` without computing the masked half.
@@ -257,7 +263,7 @@ class GatedDeltaNet(nnx.Module):
             new_conv = jnp.concatenate(states, axis=-1)
             q = constrain(outs[0], ("batch", "seq", "gdn_k_heads", "head_dim"))
             k = constrain(outs[1], ("batch", "seq", "gdn_k_heads", "head_dim"))
-            v = constrain(outs[2], ("batch", "seq", "gdn_v_heads", "head_dim"))
+            v = constrain(outs[2], GDN_V_AXES)
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(
                 project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", dropout_key=dropout_key).astype(
@@ -289,7 +295,9 @@ class GatedDeltaNet(nnx.Module):
                 )
         with jax.named_scope("out"):
             z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", dropout_key=dropout_key)
-            o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl)
+            o = gated_rms_norm(
+                o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=GDN_V_AXES
+            )
             y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key)
         new_cache = (
             None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
@@ -315,17 +323,15 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, Cache | None]:
         """`dropout_key` (this layer's) drives LoRA dropout; mixer and MLP modules have distinct
         names, so one key gives each module its own mask."""
-        eps, act = self.cfg.rms_norm_eps, ("batch", "seq", "embed")
+        eps, act = self.cfg.rms_norm_eps, RESID_AXES
         impl = self.cfg.norm_impl
         with jax.named_scope("mixer"):
-            y, cache = self.mixer(
-                rms_norm(h, self.input_norm[...], eps, impl=impl), dropout_key=dropout_key, **kw
-            )
+            normed = rms_norm(h, self.input_norm[...], eps, impl=impl, axes=RESID_AXES)
+            y, cache = self.mixer(normed, dropout_key=dropout_key, **kw)
             h = constrain(h + y, act)
         with jax.named_scope("mlp"):
-            h = constrain(
-                h + self.mlp(rms_norm(h, self.post_norm[...], eps, impl=impl), dropout_key=dropout_key), act
-            )
+            normed = rms_norm(h, self.post_norm[...], eps, impl=impl, axes=RESID_AXES)
+            h = constrain(h + self.mlp(normed, dropout_key=dropout_key), act)
         return h, cache
 
 
