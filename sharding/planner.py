@@ -88,12 +88,14 @@ def planner_xla_flags(num_devices: int) -> str:
 
 
 def _prefer_memory_scheduler() -> None:
-    """Add `MEMORY_SCHEDULER_FLAG` to XLA_FLAGS while the backend has not started yet."""
+    """Add `MEMORY_SCHEDULER_FLAG` to a planning process's XLA_FLAGS (recognised by the flags
+    `jaxpi plan` sets) while its backend has not started yet; other processes are left alone."""
     from jaxpi.cli import _jax_backend_started
 
     flags = os.environ.get("XLA_FLAGS", "")
-    if "concurrency_optimized_scheduler" not in flags and not _jax_backend_started():
-        os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
+    planning = "while-loop-invariant-code-motion" in flags
+    if planning and "concurrency_optimized_scheduler" not in flags and not _jax_backend_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}"
 
 
 # `jaxpi plan` imports this module after setting its XLA_FLAGS and before the backend starts.
