@@ -7,10 +7,11 @@ memory, say) still leaves the earlier figures:
 
     env        jax / flax versions and the device
     matmul     bf16 [n, n] @ [n, n] peak (median of 10 after 3 warm-ups) — the MFU denominator
-    gdn        chunked gated delta rule, 27B layer shapes, fwd and fwd+bwd, jaxpi vs transformers'
-               torch function on the same device (when torch sees the GPU)
     step       compile time, step time (median of the timed steps), tokens/s, model FLOP/s, MFU,
                peak device memory
+    gdn        chunked gated delta rule, 27B layer shapes, fwd and fwd+bwd, jaxpi vs transformers'
+               torch function on the same device (when torch sees the GPU); last, because torch's
+               memory lies outside JAX's pool and a step after it can fail to load its kernels
 
 Model FLOPs per step (what MFU counts; remat recomputation is not counted):
     4·P·T             frozen matmul weights P (projections + LM head): forward + input gradient
@@ -37,7 +38,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -311,29 +314,24 @@ def main() -> int:
     stage_env()
     save(OUT)
     peak = 0.0
-    stages = [
-        ("matmul", lambda: stage_matmul(args.matmul_n)),
-        ("gdn", lambda: stage_gdn(cfg, args.seq[0], args.impl)),
-    ]
+    # The gdn stage runs last: its torch comparison takes GPU memory outside JAX's preallocated
+    # pool, and a 27B step compiled after it could not load its kernels (CUDA out of memory with
+    # remat=mlp at seq 8192, whose step needs ~117 GiB).
+    stages = [("matmul", lambda: stage_matmul(args.matmul_n))]
     stages += [
         (step_name(s, impl), lambda s=s, impl=impl: stage_step(kernels(impl), s, args.steps, args.rank, peak))
         for s in args.seq
         for impl in args.impl
     ]
-    for name, fn in stages:
+    i = 0
+    while i < len(stages):  # a failed first step length appends the fallback length's steps
+        name, fn = stages[i]
+        i += 1
         if name.split("_")[0] in args.skip:
             continue
-        t0 = time.perf_counter()
-        print(f"== {name}", flush=True)
-        try:
-            out = fn()
-            if name == "matmul":
-                peak = out
-        except Exception as e:
-            RESULTS.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:2000]}"
-            traceback.print_exc()
-        RESULTS.setdefault("stage_seconds", {})[name] = time.perf_counter() - t0
-        save(OUT)
+        result = run_stage(name, fn)
+        if name == "matmul" and result is not None:
+            peak = result
         if name.startswith("step_") and name in RESULTS.get("errors", {}) and args.fallback_seq:
             s, args.fallback_seq = args.fallback_seq, None
             stages += [
@@ -343,8 +341,25 @@ def main() -> int:
                 )
                 for impl in args.impl
             ]
-        print(json.dumps({k: v for k, v in RESULTS.items() if k != "env"}, default=str)[:3000], flush=True)
+    if "gdn" not in args.skip:
+        run_stage("gdn", lambda: stage_gdn(cfg, args.seq[0], args.impl))
     return 0
+
+
+def run_stage(name: str, fn: Callable[[], Any]) -> Any:
+    """Run one stage; its figures (or its error) reach the results file either way."""
+    t0 = time.perf_counter()
+    print(f"== {name}", flush=True)
+    out = None
+    try:
+        out = fn()
+    except Exception as e:
+        RESULTS.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+        traceback.print_exc()
+    RESULTS.setdefault("stage_seconds", {})[name] = time.perf_counter() - t0
+    save(OUT)
+    print(json.dumps({k: v for k, v in RESULTS.items() if k != "env"}, default=str)[:3000], flush=True)
+    return out
 
 
 OUT = Path("results.json")
