@@ -202,9 +202,12 @@ def _jax_backend_started() -> bool:
 
 
 def _plan_flags(n: int) -> str:
+    # XLA:CPU reads its scheduler choice from XLA_FLAGS only (see sharding.planner).
+    from sharding.planner import MEMORY_SCHEDULER_FLAG
+
     return (
         f"--xla_force_host_platform_device_count={n} "
-        "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+        f"--xla_disable_hlo_passes=while-loop-invariant-code-motion {MEMORY_SCHEDULER_FLAG}"
     )
 
 

@@ -84,22 +84,7 @@ def planner_xla_flags(num_devices: int) -> str:
     """XLA_FLAGS for a planning process (set before jax initialises its backend)."""
     from jaxpi.cli import _plan_flags
 
-    return f"{_plan_flags(num_devices)} {MEMORY_SCHEDULER_FLAG}"
-
-
-def _prefer_memory_scheduler() -> None:
-    """Add `MEMORY_SCHEDULER_FLAG` to a planning process's XLA_FLAGS (recognised by the flags
-    `jaxpi plan` sets) while its backend has not started yet; other processes are left alone."""
-    from jaxpi.cli import _jax_backend_started
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    planning = "while-loop-invariant-code-motion" in flags
-    if planning and "concurrency_optimized_scheduler" not in flags and not _jax_backend_started():
-        os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}"
-
-
-# `jaxpi plan` imports this module after setting its XLA_FLAGS and before the backend starts.
-_prefer_memory_scheduler()
+    return _plan_flags(num_devices)
 
 
 @dataclasses.dataclass(frozen=True)
