@@ -138,6 +138,7 @@ def test_train_step_vs_torch(capsys, reports):
     assert t["lora_params"] == r["flops"]["lora_params"]
 
 
+@pytest.mark.slow  # interpreted Pallas; the kernels' own tests (tests/test_pallas_*.py) run in make test
 def test_train_step_on_the_pallas_kernels(capsys, reports):
     """`--kernels pallas`: the same step on the Pallas gated delta rule and norms (interpreted on
     CPU), the same checkpoint and tokens as the plain run above, so the same first loss (the
