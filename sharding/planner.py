@@ -11,10 +11,11 @@ devices (on a laptop: N virtual CPU devices), and reports per device:
 each next to an analytic estimate of the same quantity, and whether it fits the device memory.
 
 Compiling for XLA:CPU stands in for the accelerator's compiler: the SPMD partitioner (which
-decides the collectives) is shared, but buffer assignment and fusion are the CPU's. Two CPU habits
-are switched off in the planner process (see `planner_xla_flags`): bf16 matmul "normalisation" to
-float32 (TPU/GPU multiply bf16 natively) and hoisting per-layer weight conversions out of the layer
-loop. Two more keep remat's savings, which XLA:CPU otherwise undoes: common-subexpression
+decides the collectives) is shared, but buffer assignment and fusion are the CPU's. One CPU habit
+is switched off in the planner process (see `planner_xla_flags`): hoisting per-layer weight
+conversions out of the layer loop (while-loop-invariant code motion). One is not: XLA:CPU still
+multiplies bf16 in float32 and keeps float32 copies of the operands, which TPU/GPU do not (part of
+the one-device gap in docs/sharding.md). Two more settings keep remat's savings, which XLA:CPU otherwise undoes: common-subexpression
 elimination is off per compile (`PLANNER_COMPILE_OPTIONS`) and the memory-minimising schedule is
 chosen (`MEMORY_SCHEDULER_FLAG`). Differences that remain are discussed in docs/sharding.md.
 """
