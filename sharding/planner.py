@@ -15,9 +15,10 @@ decides the collectives) is shared, but buffer assignment and fusion are the CPU
 is switched off in the planner process (see `planner_xla_flags`): hoisting per-layer weight
 conversions out of the layer loop (while-loop-invariant code motion). One is not: XLA:CPU still
 multiplies bf16 in float32 and keeps float32 copies of the operands, which TPU/GPU do not (part of
-the one-device gap in docs/sharding.md). Two more settings keep remat's savings, which XLA:CPU otherwise undoes: common-subexpression
-elimination is off per compile (`PLANNER_COMPILE_OPTIONS`) and the memory-minimising schedule is
-chosen (`MEMORY_SCHEDULER_FLAG`). Differences that remain are discussed in docs/sharding.md.
+the one-device gap in docs/sharding.md). Two more settings keep remat's savings, which XLA:CPU
+otherwise undoes: common-subexpression elimination is off per compile (`PLANNER_COMPILE_OPTIONS`)
+and the memory-minimising schedule is chosen (`MEMORY_SCHEDULER_FLAG`). Differences that remain
+are discussed in docs/sharding.md.
 """
 
 from __future__ import annotations

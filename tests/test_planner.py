@@ -162,6 +162,9 @@ def test_remat_policies_order_compiled_and_analytic_alike(lever_plans):
     # compiled); the chunked loss is lowest. The analytic figures put the three in the same order.
     order = ["full:16", "full:0", "mlp:0"]
     assert sorted(order, key=lambda s: temps(lever_plans, s)[0]) == order
+    # Strictly, with room (measured full / mlp 0.91): without the planner's memory-minimising
+    # scheduler flag XLA:CPU recomputes during the forward and full compiles above mlp (1.01).
+    assert temps(lever_plans, "full:0")[0] < 0.95 * temps(lever_plans, "mlp:0")[0]
     assert sorted(order, key=lambda s: temps(lever_plans, s)[1]) == order
     assert_analytic_tracks_compiled(lever_plans)
 
