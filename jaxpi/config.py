@@ -19,6 +19,10 @@ FULL = "full_attention"
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp")
 
 
+# `gdn_impl` values: see jaxpi.kernels.gated_delta.chunk_gated_delta_rule
+GDN_IMPLS = ("jax", "jax_assoc", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class QwenConfig:
     vocab_size: int
@@ -43,7 +47,9 @@ class QwenConfig:
     attention_bias: bool = False
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
-    gdn_impl: str = "jax"  # the chunked gated delta rule: "jax" (plain JAX) or "pallas" (kernels)
+    # the chunked gated delta rule, one of GDN_IMPLS: "jax" (plain JAX, sequential over chunks),
+    # "jax_assoc" (plain JAX, chunks composed in log depth: for GPU/TPU) or "pallas" (kernels)
+    gdn_impl: str = "jax"
     norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
     # Losses apply the LM head this many positions at a time (0: all at once), see jaxpi.kernels.lm_head
     loss_chunk: int = 0
@@ -84,8 +90,8 @@ class QwenConfig:
             errors.append(f"remat {self.remat!r} is not one of {REMAT_POLICIES}")
         if self.gdn_chunk_size < 1 or self.gdn_chunk_size & (self.gdn_chunk_size - 1):
             errors.append(f"gdn_chunk_size {self.gdn_chunk_size} must be a power of two")
-        if self.gdn_impl not in ("jax", "pallas"):
-            errors.append(f"gdn_impl {self.gdn_impl!r} is not one of ('jax', 'pallas')")
+        if self.gdn_impl not in GDN_IMPLS:
+            errors.append(f"gdn_impl {self.gdn_impl!r} is not one of {GDN_IMPLS}")
         if self.norm_impl not in ("jax", "pallas"):
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
         if self.loss_chunk < 0:

@@ -130,6 +130,28 @@ def test_chunked_backward_matches_hf(length: int, chunk_size: int, k_heads: int,
         assert_close(grad, leaf.grad, GRAD_TOL, f"d{name}")
 
 
+@pytest.mark.parametrize("length", [100, 112])  # 7 chunks of 16 (an odd count for the scan's pairs), 7 whole
+def test_assoc_scan_matches_hf_and_the_sequential_scan(length: int):
+    """`impl="jax_assoc"` (the chunks' affine maps composed by `lax.associative_scan`) against
+    transformers and the sequential scan, forward and backward, with decays slow enough (|g| ≈ 0.03
+    per token) that the state entering every chunk carries all the ones before it."""
+    *args, s0 = make_inputs(11, 2, length, 2, 6)
+    args[3] = 0.02 * args[3]
+    cot_out, cot_state = cotangents(12, (2, length, 6, 16), s0.shape)
+    assoc = functools.partial(chunk_gated_delta_rule, chunk_size=16, impl="jax_assoc")
+    out, state = jax.jit(assoc)(*args, initial_state=s0)
+    ref_out, ref_state = hf_run(torch_chunk_gated_delta_rule, args, s0, chunk_size=16)
+    assert_close(out, ref_out, FWD_TOL, "output vs hf chunked")
+    assert_close(state, ref_state, FWD_TOL, "final state vs hf chunked")
+    # the carried state matters here: dropping it (zero initial state) moves the output by O(1)
+    assert rel_err(jax.jit(assoc)(*args)[0], ref_out) > 0.1
+    grads = loss_grads(assoc, args, s0, cot_out, cot_state)
+    grads_seq = loss_grads(chunk_gated_delta_rule, args, s0, cot_out, cot_state, chunk_size=16)
+    for name, a, b in zip(ARG_NAMES, grads, grads_seq, strict=True):
+        assert np.all(np.isfinite(a)), name
+        assert_close(a, b, GRAD_TOL, f"d{name} vs the sequential scan")
+
+
 def test_chunked_matches_recurrent_and_steps():
     *args, s0 = make_inputs(3, 2, 37, 2, 6)
     out_c, state_c = chunked(16)(*args, initial_state=s0)
@@ -208,8 +230,12 @@ def separate_runs_with_grads(args, s0, cot_out, cot_state):
 
 @pytest.mark.parametrize(
     "fn",
-    [functools.partial(chunk_gated_delta_rule, chunk_size=32), recurrent_gated_delta_rule],
-    ids=["chunked", "recurrent"],
+    [
+        functools.partial(chunk_gated_delta_rule, chunk_size=32),
+        functools.partial(chunk_gated_delta_rule, chunk_size=16, impl="jax_assoc"),
+        recurrent_gated_delta_rule,
+    ],
+    ids=["chunked", "chunked-assoc", "recurrent"],
 )
 def test_segments_equal_separate_runs(fn):
     *args, s0 = make_inputs(8, 2, 100, 2, 6)
