@@ -40,8 +40,11 @@ Platforms: `interpret=None` chooses per platform at lowering time (`lax.platform
 jitted function serves every backend: Triton on GPU (`plt.CompilerParams`), Mosaic on TPU, Pallas'
 interpreter running the GPU kernels on CPU. `interpret=True` forces that interpreter everywhere and
 `interpret="tpu"` runs the TPU kernels in Pallas' TPU interpreter (on CPU: how the tests check
-them). Interpreted timings say nothing about the hardware. Matmuls run at full float32 precision by
-default (IEEE on Triton, no TF32) to stay within the parity tolerances of the plain-JAX path.
+them). Interpreted timings say nothing about the hardware. The in-kernel float32 matmuls run at
+lax's DEFAULT precision unless asked otherwise: TF32 tensor-core dots on Triton, as XLA runs the
+plain-JAX path's float32 dots on an NVIDIA GPU. On the H200 at the 27B layer shapes the IEEE
+float32 setting ("highest", CUDA-core FMAs) was 11–15× slower than TF32 (forward 59.2 vs 3.55 ms);
+the CPU interpreter computes float32 either way, so the parity tests hold for both.
 """
 
 from __future__ import annotations
@@ -72,13 +75,18 @@ class KernelOptions:
     lowering names the offending shape); TPU programs take Dv whole. `interpret`: None = interpret
     on CPU, compile on GPU/TPU; True = the generic interpreter everywhere; "tpu" = the TPU kernels in
     Pallas' TPU interpreter; False = compile only (no CPU lowering).
-    `precision`: the in-kernel fp32 matmuls, "highest" (IEEE fp32) or "tf32" (lax's DEFAULT: TF32 on
-    Triton, Mosaic's default bf16 passes on TPU; the CPU interpreter computes fp32 either way).
-    `num_warps` / `num_stages`: Triton launch parameters (not tuned on hardware yet)."""
+    `precision`: the in-kernel fp32 matmuls, "tf32" (lax's DEFAULT: TF32 on Triton, Mosaic's
+    default bf16 passes on TPU, as XLA runs the plain-JAX path's float32 dots there) or "highest"
+    (IEEE fp32: CUDA-core FMAs on Triton, 11–15× slower on the H200); the CPU interpreter computes
+    fp32 either way.
+    `num_warps` / `num_stages`: Triton launch parameters. On the H200 (27B layer shapes, TF32)
+    the defaults (block_v 32, 4 warps, 1 stage) were the fastest of the five settings timed:
+    forward 3.55 ms, forward + backward 15.0 ms; block_v 64: 4.71 / 15.1; 8 warps: 4.72 / 17.3;
+    2 stages: 4.46 / 18.1; block_v 16 with 2 stages: 4.86 / 21.1 (docs/performance.md)."""
 
     block_v: int | None = None
     interpret: bool | str | None = None
-    precision: str = "highest"
+    precision: str = "tf32"
     num_warps: int = 4
     # one stage: each chunk loads ~120 KiB (forward) / ~144 KiB (backward) of fp32 tiles at
     # Dk = 128, C = 64, block_v = 32, so double-buffering them may not fit 227 KiB of shared memory
@@ -172,7 +180,7 @@ def pallas_chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     block_v: int | None = None,
     interpret: bool | str | None = None,
-    precision: str = "highest",
+    precision: str = "tf32",
     num_warps: int = 4,
     num_stages: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
