@@ -69,13 +69,30 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 
 def _trace_events(trace_dir: Path) -> list[dict[str, Any]]:
+    """Complete events of the newest trace; on an accelerator only the device's own (its kernels),
+    so the host's launch events named after the same HLO ops are not counted twice."""
     files = sorted(trace_dir.rglob("*.trace.json.gz")) + sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no trace JSON under {trace_dir}")
     with gzip.open(files[-1], "rt") as fh:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+    process = {
+        e.get("pid"): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device = {pid for pid, name in process.items() if re.search(r"/device:(GPU|TPU)", name)}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and (not device or e.get("pid") in device)]
+
+
+def hlo_op_of(event: dict[str, Any], names: dict[str, str]) -> str | None:
+    """The HLO instruction an event ran: its name (CPU thunks, most GPU fusions) or, for library
+    kernels (cuBLAS, cuDNN) named after themselves, the `hlo_op` argument the tracer attached."""
+    if event["name"] in names:
+        return event["name"]
+    op = event.get("args", {}).get("hlo_op")
+    return op if op in names else None
 
 
 def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -> dict[str, Any]:
@@ -84,9 +101,11 @@ def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -
     per_part: dict[str, float] = collections.defaultdict(float)
     per_op: dict[str, float] = collections.defaultdict(float)
     per_pass: dict[str, float] = collections.defaultdict(float)
+    unmatched: dict[str, float] = collections.defaultdict(float)
     for e in events:
-        name = e["name"]
-        if name not in names:
+        name = hlo_op_of(e, names)
+        if name is None:
+            unmatched[e["name"]] += e["dur"] * 1e-6 / steps
             continue
         sec = e["dur"] * 1e-6 / steps
         per_part[part_of(names[name])] += sec
@@ -102,6 +121,11 @@ def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -
         },
         "passes": dict(per_pass),
         "top_ops": [{"op": k, "s": v, "op_name": names[k]} for k, v in top],
+        # events that name no HLO op of the step (runtime copies, other programs): listed, not parted
+        "unmatched_seconds_per_step": sum(unmatched.values()),
+        "top_unmatched": [
+            {"name": k, "s": v} for k, v in sorted(unmatched.items(), key=lambda kv: -kv[1])[:10]
+        ],
     }
 
 
