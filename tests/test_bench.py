@@ -265,14 +265,39 @@ def test_profile_summary_sums_op_time_by_model_part():
         {"name": "ynn_fusion.4", "dur": 2000.0},
         {"name": "while.3", "dur": 9000.0},
         {"name": "not-an-op", "dur": 5000.0},
+        # a library kernel (cuBLAS) is named after itself; the tracer names its HLO op in args
+        {"name": "sm90_xmma_gemm_bf16bf16", "dur": 1000.0, "args": {"hlo_op": "fusion.1"}},
     ]
     s = summarize(events, names, steps=2)
-    assert s["op_seconds_per_step"] == pytest.approx(3.5e-3)
-    assert s["parts"]["mlp"]["s"] == pytest.approx(1.5e-3)
+    assert s["op_seconds_per_step"] == pytest.approx(4e-3)
+    assert s["parts"]["mlp"]["s"] == pytest.approx(2e-3)
     assert s["parts"]["deltanet: (I+A)^-1 and U, W (ut_transform)"]["s"] == pytest.approx(1e-3)
-    assert s["parts"]["LM head"]["share"] == pytest.approx(1 / 3.5)
-    assert s["passes"] == pytest.approx({"fwd": 2.5e-3, "bwd": 1e-3})
+    assert s["parts"]["LM head"]["share"] == pytest.approx(1 / 4)
+    assert s["passes"] == pytest.approx({"fwd": 3e-3, "bwd": 1e-3})
     assert s["top_ops"][0]["op"] == "fusion.1"
+    assert s["unmatched_seconds_per_step"] == pytest.approx(7e-3)
+    assert s["top_unmatched"][0]["name"] == "while.3"
+
+
+def test_profile_reads_only_device_events_when_a_device_was_traced(tmp_path):
+    import gzip
+
+    from jaxpi.bench.profile import _trace_events
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0 (pid 2)"}},
+        {"ph": "X", "pid": 1, "name": "fusion.1", "dur": 5.0},  # the host launching the kernel
+        {"ph": "X", "pid": 2, "name": "fusion.1", "dur": 3.0},
+        {"ph": "i", "pid": 2, "name": "marker"},
+    ]
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    assert [e["dur"] for e in _trace_events(tmp_path)] == [3.0]
+    # a CPU-only trace keeps every complete event
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": [events[0], events[2]]}, fh)
+    assert [e["dur"] for e in _trace_events(tmp_path)] == [5.0]
 
 
 @pytest.mark.slow
@@ -295,3 +320,66 @@ def test_profile_traces_the_real_step(capsys, tmp_path):
     # the model's scopes are found: DeltaNet, MLP and the LM head each get time
     assert {"mlp", "LM head", "deltanet: chunk scan (state carry)"} <= set(p["parts"])
     assert sum(v["share"] for v in p["parts"].values()) == pytest.approx(1.0)
+
+
+def _gpu_bench_script():
+    """tools/bench_gpu_27b.py as a module (a script, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_27b.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_27b", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_gdn_variants_compute_the_same_rule():
+    """Every gated-delta variant the accelerator script times is the same function as the plain
+    sequential scan, forward and backward (so its timings compare like with like)."""
+    script = _gpu_bench_script()
+    ks = jax.random.split(jax.random.key(0), 5)
+    t, h, d = 96, 2, 16
+    q, k, v = (jax.random.normal(x, (1, t, h, d)) for x in ks[:3])
+    g = -0.05 * jax.nn.softplus(jax.random.normal(ks[3], (1, t, h)))  # slow: the state carries
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, h)))
+    args = (q, k, v, g, beta)
+
+    def out_and_grads(spec):
+        fn, _ = script.gdn_variant(spec)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2, 3, 4))(*args)
+        return fn(*args), grads
+
+    ref_out, ref_grads = out_and_grads("jax@32")
+    for spec in ("jax_unroll4@32", "jax_split2@32", "jax_assoc@32", "jax_assoc", "pallas/tf32/16/4/1@32"):
+        out, grads = out_and_grads(spec)
+        err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+        assert err < 1e-5, (spec, err)
+        for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, ref_grads, strict=True):
+            gerr = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+            assert gerr < 1e-4, (spec, name, gerr)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        script.gdn_variant("cuda")[0](*args)
+
+
+@pytest.mark.slow
+def test_gpu_bench_script_runs_on_cpu(tmp_path):
+    """The accelerator script end to end on the tiny config: matmul, gdn variants, step, profile."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_27b.py"),
+        "--tiny", "--seq", "64", "--steps", "1", "--matmul-n", "128", "--remat", "mlp", "--no-torch",
+        "--gdn-variants", "jax", "jax_split2", "--profile", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    assert "errors" not in res, res.get("errors")
+    step = res["step_seq64"]
+    assert step["median_s"] > 0 and step["mfu"] > 0 and step["losses"][0] > 0
+    assert {"jax_fwd", "jax_split2_fwd_bwd"} <= set(res["gdn"])
+    assert step["profile"]["op_seconds_per_step"] > 0 and res["matmul"]["peak_tflops"] > 0
+    assert (tmp_path / "step_seq64_hlo.txt.gz").exists()

@@ -6,36 +6,59 @@ each one's result is written to `--out` as soon as it is known, so a stage that 
 memory, say) still leaves the earlier figures:
 
     env        jax / flax versions and the device
-    matmul     bf16 [n, n] @ [n, n] peak (median of 10 after 3 warm-ups) — the MFU denominator
+    matmul     bf16 [n, n] @ [n, n] peak, 20 chained products per timed call (median of 10 calls
+               after ≥ 2 s of warm-up) — the MFU denominator
     step       compile time, step time (median of the timed steps), tokens/s, model FLOP/s, MFU,
                peak device memory
-    gdn        chunked gated delta rule, 27B layer shapes, fwd and fwd+bwd, jaxpi vs transformers'
-               torch function on the same device (when torch sees the GPU); last, because torch's
-               memory lies outside JAX's pool and a step after it can fail to load its kernels
+    gdn        chunked gated delta rule, 27B layer shapes, fwd and fwd+bwd, each `--gdn-variants`
+               entry, and transformers' torch function on the same device (when torch sees the
+               GPU; not with `--no-torch`); last when torch runs, because torch's memory lies
+               outside JAX's pool and a step after it can fail to load its kernels, else first
+    torch_matmul  the same chained products in torch (cuBLAS), a cross-check (not with --no-torch)
+    profile    (`--profile`) one traced step after the first step stage's timed steps: device
+               time by model part (`jaxpi.bench.profile`) and by kind of op, the traced events
+               and the optimized HLO beside `--out`. With CUDA graphs on (XLA's default on GPU)
+               a kernel names only its graph ("command_buffer_N"), not its HLO op, so the parts
+               stay unknown: profile with XLA_FLAGS=--xla_gpu_enable_command_buffer= (that run's
+               step time is then without graphs: 3.946 s on the H200, against 3.853 s with
+               graphs in an earlier run)
 
 Model FLOPs per step (what MFU counts; remat recomputation is not counted):
     4·P·T             frozen matmul weights P (projections + LM head): forward + input gradient
     6·P_lora·T        adapter weights: forward + input gradient + weight gradient
     3·2·T²·Hq·Dh      per attention layer (causal half of QKᵀ and PV; backward = 2× forward)
-    3·2·T·H·(C(3Dk+2Dv) + 3DkDv)   per DeltaNet layer (chunk size C; the (I+A)⁻¹ not counted)
+    3·2·T·H·(C(3Dk+2Dv) + 3DkDv)   per DeltaNet layer, counted at C = 64 whatever `--gdn-chunk`
+                                    the step uses (the (I+A)⁻¹ and the log-depth scan's
+                                    composed maps not counted)
 
     python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
-                                  [--loss-chunk 1024]
+                                  [--loss-chunk 1024] [--gdn-chunk 64] [--profile] [--no-torch]
+                                  [--gdn-variants jax jax_assoc jax_assoc@128 jax_unroll8]
 
-`--impl` lists the kernel paths to measure: "jax" (plain JAX) and/or "pallas" (the Pallas gated
-delta rule and norms, `gdn_impl` / `norm_impl`). The gdn stage times each path on the same inputs
-and records the largest output difference from the plain path; the step stage runs once per path
-(`step_seq8192`, `step_seq8192_pallas`).
+`--impl` lists the kernel paths of the step to measure: "jax" (plain JAX, sequential chunk scan),
+"jax_assoc" (plain JAX, the chunks composed in log depth) and/or "pallas" (the Pallas gated delta
+rule and norms): `gdn_impl`, and `norm_impl` = "pallas" for pallas, else "jax". The step stage
+runs once per path (`step_seq8192`, `step_seq8192_jax_assoc`, ...). The gdn stage times each
+`--gdn-variants` entry (default: the `--impl` paths) on the same inputs: "impl@chunk" for another
+chunk size, "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan carrying
+only the state), "pallas/PRECISION/BLOCK_V/WARPS/STAGES" (Pallas kernel options), and records
+each one's largest output difference from plain "jax" at chunk 64 run op by op (not jitted: on
+the H200 the jitted plain path itself differs from it by 2.1e-3 of max|o| with bf16 inputs and
+TF32 dots).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -52,7 +75,7 @@ import optax
 from flax import nnx
 
 from jaxpi.config import QWEN3_5_27B, TINY, QwenConfig
-from jaxpi.kernels.gated_delta import chunk_gated_delta_rule
+from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, chunked_gated_delta_rule_with
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.train.step import init_opt_state, make_train_step
@@ -97,56 +120,170 @@ def stage_env() -> None:
         "device": str(dev),
         "device_kind": getattr(dev, "device_kind", "?"),
         "platform": dev.platform,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
-def stage_matmul(sizes: list[int]) -> float:
-    """The best bf16 matmul rate over `sizes` (clocks ramp up during the long warm-up)."""
+def stage_matmul(sizes: list[int], chain: int = 20) -> float:
+    """The best bf16 matmul rate over `sizes`: each call runs `chain` dependent [n, n] @ [n, n]
+    products in one program (so dispatch and the host sync are amortised), after ≥ 2 s of warm-up
+    (the clocks ramp up from idle); median of 10 calls."""
     out = {}
     for n in sizes:
         a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-        b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-        f = jax.jit(lambda a, b: a @ b)
-        t = timed(lambda f=f, a=a, b=b: f(a, b), warmup=20, reps=10)
-        out[str(n)] = {**stats(t), "tflops": 2.0 * n**3 / statistics.median(t) / 1e12}
+        # entries N(0, 1/n): each product keeps the rows' scale, so the chain neither overflows
+        # nor decays to zeros (which run faster than real data)
+        b = (jax.random.normal(jax.random.key(1), (n, n), jnp.float32) * n**-0.5).astype(jnp.bfloat16)
+        f = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda i, x: x @ b, a))
+        jax.block_until_ready(f(a, b))
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 2.0:
+            jax.block_until_ready(f(a, b))
+        t = timed(lambda f=f, a=a, b=b: f(a, b), warmup=0, reps=10)
+        out[str(n)] = {**stats(t), "chain": chain, "tflops": 2.0 * n**3 * chain / statistics.median(t) / 1e12}
     best = max(v["tflops"] for v in out.values())
     RESULTS["matmul"] = {"dtype": "bfloat16", "sizes": out, "peak_tflops": best}
     return best * 1e12
 
 
-def stage_gdn(cfg: QwenConfig, seq: int, impls: list[str]) -> None:
+def stage_torch_matmul(sizes: list[int], chain: int = 20) -> None:
+    """The same chained bf16 products in torch (cuBLAS), a cross-check of the JAX peak; last,
+    since torch's memory lies outside JAX's pool."""
+    import torch
+
+    if not torch.cuda.is_available():
+        RESULTS["torch_matmul"] = "torch sees no GPU"
+        return
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, n, device="cuda") * n**-0.5).to(torch.bfloat16)
+
+        def f(a=a, b=b):
+            x = a
+            for _ in range(chain):
+                x = x @ b
+            return x
+
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 2.0:
+            f()
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            f()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        out[str(n)] = {
+            **stats(times),
+            "chain": chain,
+            "tflops": 2.0 * n**3 * chain / statistics.median(times) / 1e12,
+        }
+    RESULTS["torch_matmul"] = {"torch": torch.__version__, "sizes": out}
+
+
+def time_gdn_variant(spec: str, res: dict, ref: np.ndarray, args: tuple) -> None:
+    """fwd and fwd+bwd medians of one gdn stage entry, and its output's largest difference from `ref`."""
+    fn, _ = gdn_variant(spec)
+    fwd = jax.jit(fn)
+
+    def loss(*a):
+        return jnp.sum(fn(*a).astype(jnp.float32))
+
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    res[f"{spec}_fwd"] = stats(timed(lambda: fwd(*args), warmup=2, reps=5))
+    res[f"{spec}_fwd_bwd"] = stats(timed(lambda: bwd(*args), warmup=2, reps=5))
+    out = np.asarray(fwd(*args).astype(jnp.float32))
+    res[f"{spec}_max_abs_diff_over_max_abs"] = float(np.abs(out - ref).max() / np.abs(ref).max())
+    for part in ("fwd", "fwd_bwd"):
+        if "jax_fwd" in res and spec != "jax":
+            res[f"speedup_{part}_{spec}_over_jax"] = (
+                res[f"jax_{part}"]["median_s"] / res[f"{spec}_{part}"]["median_s"]
+            )
+
+
+def gdn_variant(spec: str) -> tuple[Callable[..., Any], int]:
+    """A gdn stage entry -> (fn(q, k, v, g, beta) -> output, chunk size). Entries: "impl",
+    "impl@chunk", "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan
+    carrying only the state, unrolled N times; the outputs from the saved chunk-entry states in
+    one batched pass after it) and "pallas/PRECISION/BLOCK_V/WARPS/STAGES" (kernel options)."""
+    name, _, chunk = spec.partition("@")
+    c = int(chunk or 64)
+    if name.startswith("pallas/"):
+        from jaxpi.kernels.pallas import pallas_chunk_gated_delta_rule
+
+        precision, block_v, warps, stages = name.split("/")[1:]
+        kw = dict(precision=precision, block_v=int(block_v), num_warps=int(warps), num_stages=int(stages))
+        return (
+            lambda q, k, v, g, beta: pallas_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, **kw)[0]
+        ), c
+    if name.startswith(("jax_unroll", "jax_split")):
+        unroll = int(name.removeprefix("jax_unroll").removeprefix("jax_split"))
+        split = name.startswith("jax_split")
+
+        def scan(chunks, state):
+            if split:
+                return _split_scan(chunks, state, unroll)
+            return jax.lax.scan(functools.partial(_chunk_step), state, chunks, unroll=unroll)
+
+        def fn(q, k, v, g, beta):
+            kw = dict(chunk_size=c, initial_state=None, segment_ids=None, use_qk_l2norm=True)
+            return chunked_gated_delta_rule_with(scan, q, k, v, g, beta, **kw)[0]
+
+        return fn, c
+    return (lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=name)[0]), c
+
+
+def _split_scan(chunks, state, unroll: int):
+    """The scan carries only S (two matmuls per chunk) and saves the state entering each chunk;
+    Δ and the outputs follow for all chunks at once."""
+    u, w, q_read, p, k_write, end_decay = chunks
+
+    def step(s, x):
+        u_, w_, kw_, d_ = x
+        delta = u_ - jnp.einsum("bhik,bhkv->bhiv", w_, s)
+        return d_[..., None, None] * s + jnp.einsum("bhik,bhiv->bhkv", kw_, delta), s
+
+    final, starts = jax.lax.scan(step, state, (u, w, k_write, end_decay), unroll=unroll)
+    delta = u - jnp.einsum("nbhik,nbhkv->nbhiv", w, starts)
+    out = jnp.einsum("nbhik,nbhkv->nbhiv", q_read, starts) + jnp.einsum("nbhij,nbhjv->nbhiv", p, delta)
+    return final, out
+
+
+def _chunk_step(state, chunk):
+    """One step of the sequential chunk scan (the body of `gated_delta._chunk_scan`)."""
+    u, w, q_read, p, k_write, end_decay = chunk
+    delta = u - jnp.einsum("bhik,bhkv->bhiv", w, state)
+    out = jnp.einsum("bhik,bhkv->bhiv", q_read, state) + jnp.einsum("bhij,bhjv->bhiv", p, delta)
+    state = end_decay[..., None, None] * state + jnp.einsum("bhik,bhiv->bhkv", k_write, delta)
+    return state, out
+
+
+def stage_gdn(cfg: QwenConfig, seq: int, variants: list[str], torch_too: bool) -> None:
     h, dk, dv, c = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 64
     ks = jax.random.split(jax.random.key(2), 5)
     q = jax.random.normal(ks[0], (1, seq, h, dk), jnp.bfloat16)
     k = jax.random.normal(ks[1], (1, seq, h, dk), jnp.bfloat16)
     v = jax.random.normal(ks[2], (1, seq, h, dv), jnp.bfloat16)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, seq, h), jnp.float32))
+    # slow decays (mean g ≈ −0.04 per token): the state carries across many chunks, so the output
+    # differences below exercise the chunk recurrence (fast decays would hide a wrong carry)
+    g = -0.05 * jax.nn.softplus(jax.random.normal(ks[3], (1, seq, h), jnp.float32))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, seq, h), jnp.float32))
     res: dict = {"shape": [1, seq, h, dk, dv], "chunk": c}
     RESULTS["gdn"] = res
-    outputs = {}
-    for impl in impls:
-        fwd = jax.jit(lambda *a, impl=impl: chunk_gated_delta_rule(*a, chunk_size=c, impl=impl)[0])
-
-        def loss(q, k, v, g, beta, impl=impl):
-            out = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=impl)[0]
-            return jnp.sum(out.astype(jnp.float32))
-
-        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        res[f"{impl}_fwd"] = stats(timed(lambda fwd=fwd: fwd(q, k, v, g, beta), warmup=2, reps=5))
-        res[f"{impl}_fwd_bwd"] = stats(timed(lambda bwd=bwd: bwd(q, k, v, g, beta), warmup=2, reps=5))
-        outputs[impl] = np.asarray(fwd(q, k, v, g, beta).astype(jnp.float32))
+    ref = np.asarray(gdn_variant("jax")[0](q, k, v, g, beta).astype(jnp.float32))
+    for spec in variants:
+        try:
+            time_gdn_variant(spec, res, ref, (q, k, v, g, beta))
+        except Exception as e:  # a variant that fails to compile (shared memory, say) is a result too
+            res[f"{spec}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         save(OUT)
-    if "jax" in outputs and "pallas" in outputs:
-        ref = outputs["jax"]
-        res["pallas_max_abs_diff_over_max_abs"] = float(
-            np.abs(outputs["pallas"] - ref).max() / np.abs(ref).max()
-        )
-        for part in ("fwd", "fwd_bwd"):
-            res[f"speedup_{part}_pallas_over_jax"] = (
-                res[f"jax_{part}"]["median_s"] / res[f"pallas_{part}"]["median_s"]
-            )
-    if "jax" not in impls:
+    if not torch_too or "jax" not in variants:
         return
     try:
         import torch
@@ -215,7 +352,7 @@ def model_flops(cfg: QwenConfig, state: nnx.State, seq: int, batch: int) -> dict
     return {"frozen_matmul_params": frozen, "lora_params": lora, "total": float(total)}
 
 
-def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) -> None:
+def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float, profile: bool) -> None:
     res: dict = {
         "seq": seq,
         "batch": 1,
@@ -223,6 +360,7 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) ->
         "remat": cfg.remat,
         "layers": cfg.num_hidden_layers,
         "gdn_impl": cfg.gdn_impl,
+        "gdn_chunk_size": cfg.gdn_chunk_size,
         "norm_impl": cfg.norm_impl,
         "loss_chunk": cfg.loss_chunk,
     }
@@ -277,6 +415,69 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float) ->
     ms = jax.devices()[0].memory_stats() or {}
     res["peak_bytes_in_use_gib"] = ms.get("peak_bytes_in_use", 0) / 2**30
     res["bytes_limit_gib"] = ms.get("bytes_limit", 0) / 2**30
+    save(OUT)
+    if profile:
+        res["profile"] = profile_step(compiled, state, opt_state, batch, step_name(seq, cfg.gdn_impl))
+
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
+
+
+def op_kind(name: str, rest: str) -> str:
+    if "__cublas" in rest:
+        return "cublas matmul"
+    if "kind=kCustom" in rest and "gemm" in name:
+        return "triton matmul fusion"
+    return "fusion" if " fusion(" in rest else "other"
+
+
+def profile_step(compiled, state, opt_state, batch, name: str) -> dict:
+    """Trace one step; device time by model part, and the trace beside `--out` (≤ 15 MB gzipped)."""
+    from jaxpi.bench.profile import _trace_events, op_names, summarize
+
+    trace_dir = Path(tempfile.mkdtemp(prefix="jaxpi-trace-"))
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        state, opt_state, metrics = compiled(state, opt_state, batch)
+        jax.block_until_ready(metrics)
+    traced_s = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    events = _trace_events(trace_dir)
+    out = summarize(events, op_names(hlo), steps=1)
+    out["traced_step_wall_s"] = traced_s
+    # the device's busy time (union of kernel intervals) against the traced wall time: the rest
+    # is the GPU waiting on the host (launches, while-loop predicates)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    out["device_busy_s"] = busy * 1e-6
+    out["kernels"] = len(spans)
+    per_kernel: dict = {}
+    for e in events:
+        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"] * 1e-6
+    # device time by kind of HLO op: library matmuls, Triton matmul fusions, other fusions, copies
+    kind_of = {m.group(1): op_kind(m.group(1), m.group(2)) for m in _HLO_INSTR.finditer(hlo)}
+    kinds: dict = {}
+    for e in events:
+        op = e.get("args", {}).get("hlo_op", "")
+        kind = kind_of.get(op, "memcpy/memset" if e["name"].startswith("mem") else "unknown op")
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] * 1e-6
+    out["kinds"] = kinds
+    out["top_kernels"] = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
+    for f in trace_dir.rglob("perfetto_trace.json.gz"):
+        if f.stat().st_size < 15e6:
+            shutil.copy(f, OUT.parent / f"{name}_trace.json.gz")
+    # the traced events alone, [name, start µs, duration µs, HLO op] (a 27B step's whole trace is
+    # larger than a device machine returns; this list was 2.8 MB gzipped for 310k kernels)
+    slim = [[e["name"], e.get("ts"), e["dur"], e.get("args", {}).get("hlo_op", "")] for e in events]
+    with gzip.open(OUT.parent / f"{name}_events.json.gz", "wt") as fh:
+        json.dump(slim, fh)
+    with gzip.open(OUT.parent / f"{name}_hlo.txt.gz", "wt") as fh:
+        fh.write(hlo)
+    return out
 
 
 def step_name(seq: int, impl: str) -> str:
@@ -294,7 +495,7 @@ def main() -> int:
     ap.add_argument("--remat", default="full")
     ap.add_argument("--matmul-n", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run of this script)")
-    ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: matmul gdn step")
+    ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: matmul gdn step torch")
     ap.add_argument(
         "--loss-chunk",
         type=int,
@@ -302,27 +503,54 @@ def main() -> int:
         help="LM head positions per chunk in the loss (0: all at once; the whole fp32 logits are 8 GiB at 8192)",
     )
     ap.add_argument(
-        "--impl", nargs="+", default=["jax"], choices=["jax", "pallas"], help="kernel paths to measure"
+        "--impl",
+        nargs="+",
+        default=["jax"],
+        choices=["jax", "jax_assoc", "pallas"],
+        help="kernel paths of the step to measure",
     )
+    ap.add_argument("--gdn-chunk", type=int, default=64, help="the step's gdn_chunk_size")
+    ap.add_argument(
+        "--gdn-variants",
+        nargs="+",
+        default=None,
+        help='gdn stage entries: "impl", "impl@chunk", "jax_unrollN" (default: the --impl paths)',
+    )
+    ap.add_argument("--no-torch", action="store_true", help="no transformers comparison in the gdn stage")
+    ap.add_argument("--profile", action="store_true", help="trace one step of the first step stage")
     args = ap.parse_args()
     OUT = args.out
+    OUT.parent.mkdir(parents=True, exist_ok=True)
     cfg = (TINY if args.tiny else QWEN3_5_27B).replace(remat=args.remat)
 
     def kernels(impl: str) -> QwenConfig:
-        return cfg.replace(gdn_impl=impl, norm_impl=impl, loss_chunk=args.loss_chunk)
+        norm = "pallas" if impl == "pallas" else "jax"
+        return cfg.replace(
+            gdn_impl=impl, norm_impl=norm, loss_chunk=args.loss_chunk, gdn_chunk_size=args.gdn_chunk
+        )
 
     stage_env()
     save(OUT)
     peak = 0.0
-    # The gdn stage runs last: its torch comparison takes GPU memory outside JAX's preallocated
+    variants = args.gdn_variants or args.impl
+    gdn_stage = ("gdn", lambda: stage_gdn(cfg, args.seq[0], variants, not args.no_torch))
+    # With torch, the gdn stage runs last: torch takes GPU memory outside JAX's preallocated
     # pool, and a 27B step compiled after it could not load its kernels (CUDA out of memory with
-    # remat=mlp at seq 8192, whose step needs ~117 GiB).
+    # remat=mlp at seq 8192, whose step needs ~117 GiB). Without torch it runs first (cheap).
     stages = [("matmul", lambda: stage_matmul(args.matmul_n))]
+    if args.no_torch:
+        stages.append(gdn_stage)
+
+    def step_stage(s: int, impl: str, first: bool):
+        return lambda: stage_step(kernels(impl), s, args.steps, args.rank, peak, args.profile and first)
+
     stages += [
-        (step_name(s, impl), lambda s=s, impl=impl: stage_step(kernels(impl), s, args.steps, args.rank, peak))
-        for s in args.seq
-        for impl in args.impl
+        (step_name(s, impl), step_stage(s, impl, i == 0))
+        for i, (s, impl) in enumerate((s, impl) for s in args.seq for impl in args.impl)
     ]
+    if not args.no_torch:
+        stages.append(gdn_stage)
+        stages.append(("torch_matmul", lambda: stage_torch_matmul(args.matmul_n)))
     i = 0
     while i < len(stages):  # a failed first step length appends the fallback length's steps
         name, fn = stages[i]
@@ -334,15 +562,7 @@ def main() -> int:
             peak = result
         if name.startswith("step_") and name in RESULTS.get("errors", {}) and args.fallback_seq:
             s, args.fallback_seq = args.fallback_seq, None
-            stages += [
-                (
-                    step_name(s, impl),
-                    lambda s=s, impl=impl, p=peak: stage_step(kernels(impl), s, args.steps, args.rank, p),
-                )
-                for impl in args.impl
-            ]
-    if "gdn" not in args.skip:
-        run_stage("gdn", lambda: stage_gdn(cfg, args.seq[0], args.impl))
+            stages[i:i] = [(step_name(s, impl), step_stage(s, impl, False)) for impl in args.impl]
     return 0
 
 

@@ -6,6 +6,11 @@ the model (`mixer/delta_rule/ut_transform`, `mlp`, `qkv`, ...), and their durati
 per part of the model:
 
     jaxpi bench profile --preset mid [--steps 2] [--trace-dir DIR] [--json]
+
+On a GPU the trace's own kernel events are read (not the host's launches of them); a library
+kernel (cuBLAS) is matched through the `hlo_op` the tracer attaches. Under CUDA graphs, XLA's
+default, that is the graph ("command_buffer_N") rather than the op, so the time stays unmatched:
+trace with XLA_FLAGS=--xla_gpu_enable_command_buffer= for a per-op breakdown.
 """
 
 from __future__ import annotations
