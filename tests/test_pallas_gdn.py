@@ -231,14 +231,23 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
         ).mlir_module()
 
     target, kernel_name = LOWERED[platform]
-    text = lowered("tf32")
+    text = lowered("default")
     assert re.findall(r"custom_call @([\w$.]+)", text).count(target) == 2
     assert sorted(m.group(1) for m in re.finditer(kernel_name, text)) == ["backward", "forward"]
     if platform == "cuda":
         # grid (batch, value heads, Dv / block_v) with block_v 32
         assert text.count("grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 4 : i32") == 2
-        # the precision reaches the Triton dots (IEEE fp32 vs TF32 lowers to a different kernel)
-        assert lowered("highest") != text
+
+        # the precision reaches the Triton dots (IEEE fp32 vs TF32 lowers to a different kernel);
+        # "default" follows JAX's default matmul precision, as the plain path's dots do
+        # (the Triton calls compared: the plain-JAX preparation follows the setting too)
+        def kernels(text: str) -> list[str]:
+            return [line[line.index("custom_call") :] for line in text.splitlines() if target in line]
+
+        highest = kernels(lowered("highest"))
+        assert highest != kernels(text) and kernels(lowered("tf32")) == kernels(text)
+        with jax.default_matmul_precision("highest"):
+            assert kernels(lowered("default")) == highest
     else:  # the Mosaic kernels (MLIR bytecode, base64) step through the chunks with a VMEM scratch
         bodies = [base64.b64decode(b) for b in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", text)]
         assert len(bodies) == 2

@@ -40,9 +40,10 @@ Platforms: `interpret=None` chooses per platform at lowering time (`lax.platform
 jitted function serves every backend: Triton on GPU (`plt.CompilerParams`), Mosaic on TPU, Pallas'
 interpreter running the GPU kernels on CPU. `interpret=True` forces that interpreter everywhere and
 `interpret="tpu"` runs the TPU kernels in Pallas' TPU interpreter (on CPU: how the tests check
-them). Interpreted timings say nothing about the hardware. The in-kernel float32 matmuls run at
-lax's DEFAULT precision unless asked otherwise: TF32 tensor-core dots on Triton, as XLA runs the
-plain-JAX path's float32 dots on an NVIDIA GPU. On the H200 at the 27B layer shapes the IEEE
+them). Interpreted timings say nothing about the hardware. The in-kernel float32 matmuls follow
+JAX's default matmul precision, as the plain-JAX path's dots do: lax's DEFAULT (TF32 tensor-core
+dots on Triton, as XLA runs the plain path's float32 dots on an NVIDIA GPU) unless
+`jax.default_matmul_precision` says otherwise (the parity harness asks for "highest"). On the H200 at the 27B layer shapes the IEEE
 float32 setting ("highest", CUDA-core FMAs) was 11–15× slower than TF32 (forward 59.2 vs 3.55 ms);
 the CPU interpreter computes float32 either way, so the parity tests hold for both.
 """
@@ -62,10 +63,15 @@ from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward
 from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward
 from jaxpi.kernels.pallas.sharded import sharded_gated_delta_rule
 
-# "highest": IEEE float32 products (the parity setting); "tf32": Triton's TF32 tensor-core dots
-# (10-bit mantissa), what XLA may pick for the plain-JAX path's fp32 dots on NVIDIA GPUs (and on
-# TPU, Mosaic's default-precision fp32 matmul)
-_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
+# "default": whatever `jax.default_matmul_precision` is at trace time (lax's DEFAULT unless set),
+# like every plain-JAX dot; "tf32": lax's DEFAULT whatever that setting, i.e. Triton's TF32
+# tensor-core dots (10-bit mantissa), what XLA picks for the plain path's fp32 dots on NVIDIA GPUs
+# (and on TPU, Mosaic's default-precision fp32 matmul); "highest": IEEE float32 products
+_PRECISIONS = {
+    "default": None,
+    "tf32": jax.lax.Precision.DEFAULT,
+    "highest": jax.lax.Precision.HIGHEST,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +81,10 @@ class KernelOptions:
     lowering names the offending shape); TPU programs take Dv whole. `interpret`: None = interpret
     on CPU, compile on GPU/TPU; True = the generic interpreter everywhere; "tpu" = the TPU kernels in
     Pallas' TPU interpreter; False = compile only (no CPU lowering).
-    `precision`: the in-kernel fp32 matmuls, "tf32" (lax's DEFAULT: TF32 on Triton, Mosaic's
-    default bf16 passes on TPU, as XLA runs the plain-JAX path's float32 dots there) or "highest"
-    (IEEE fp32: CUDA-core FMAs on Triton, 11–15× slower on the H200); the CPU interpreter computes
-    fp32 either way.
+    `precision`: the in-kernel fp32 matmuls, "default" (JAX's default matmul precision at trace
+    time, as for any plain-JAX dot), "tf32" (lax's DEFAULT whatever that setting: TF32 on Triton,
+    Mosaic's default bf16 passes on TPU) or "highest" (IEEE fp32: CUDA-core FMAs on Triton, 11–15×
+    slower on the H200); the CPU interpreter computes fp32 either way.
     `num_warps` / `num_stages`: Triton launch parameters. On the H200 (27B layer shapes, TF32)
     the defaults (block_v 32, 4 warps, 1 stage) were the fastest of the five settings timed:
     forward 3.55 ms, forward + backward 15.0 ms; block_v 64: 4.71 / 15.1; 8 warps: 4.72 / 17.3;
@@ -86,7 +92,7 @@ class KernelOptions:
 
     block_v: int | None = None
     interpret: bool | str | None = None
-    precision: str = "tf32"
+    precision: str = "default"
     num_warps: int = 4
     # one stage: each chunk loads ~120 KiB (forward) / ~144 KiB (backward) of fp32 tiles at
     # Dk = 128, C = 64, block_v = 32, so double-buffering them may not fit 227 KiB of shared memory
@@ -180,7 +186,7 @@ def pallas_chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     block_v: int | None = None,
     interpret: bool | str | None = None,
-    precision: str = "tf32",
+    precision: str = "default",
     num_warps: int = 4,
     num_stages: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
