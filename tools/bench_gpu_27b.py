@@ -37,7 +37,8 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
 
 `--impl` lists the kernel paths of the step to measure: "jax" (plain JAX, sequential chunk scan),
 "jax_assoc" (plain JAX, the chunks composed in log depth) and/or "pallas" (the Pallas gated delta
-rule and norms): `gdn_impl`, and `norm_impl` = "pallas" for pallas, else "jax". The step stage
+rule and norms): `gdn_impl`, and `norm_impl` = "pallas" for pallas, else "jax" (or `--norm-impl`,
+for the Pallas gated delta rule with the plain norms, say). The step stage
 runs once per path (`step_seq8192`, `step_seq8192_jax_assoc`, ...). The gdn stage times each
 `--gdn-variants` entry (default: the `--impl` paths) on the same inputs: "impl@chunk" for another
 chunk size, "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan carrying
@@ -511,10 +512,17 @@ def main() -> int:
     )
     ap.add_argument("--gdn-chunk", type=int, default=64, help="the step's gdn_chunk_size")
     ap.add_argument(
+        "--norm-impl",
+        choices=["jax", "pallas"],
+        default=None,
+        help="the step's norm_impl (default: pallas for --impl pallas, else jax)",
+    )
+    ap.add_argument(
         "--gdn-variants",
         nargs="+",
         default=None,
-        help='gdn stage entries: "impl", "impl@chunk", "jax_unrollN" (default: the --impl paths)',
+        help='gdn stage entries: "impl", "impl@chunk", "jax_unrollN", "jax_splitN", "pallas/PREC/BV/WARPS/STAGES"'
+        " (default: the --impl paths)",
     )
     ap.add_argument("--no-torch", action="store_true", help="no transformers comparison in the gdn stage")
     ap.add_argument("--profile", action="store_true", help="trace one step of the first step stage")
@@ -524,7 +532,7 @@ def main() -> int:
     cfg = (TINY if args.tiny else QWEN3_5_27B).replace(remat=args.remat)
 
     def kernels(impl: str) -> QwenConfig:
-        norm = "pallas" if impl == "pallas" else "jax"
+        norm = args.norm_impl or ("pallas" if impl == "pallas" else "jax")
         return cfg.replace(
             gdn_impl=impl, norm_impl=norm, loss_chunk=args.loss_chunk, gdn_chunk_size=args.gdn_chunk
         )
