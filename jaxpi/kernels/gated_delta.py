@@ -272,9 +272,12 @@ def _chunk_scan_assoc(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[
     (M₂, R₂) ∘ (M₁, R₁) = (M₂M₁, M₂R₁ + R₂), so the state entering every chunk comes from a prefix
     scan of log₂ N levels of batched matmuls instead of N dependent steps; the outputs then take
     one batched matmul per term for all chunks at once. It does ~4× the sequential scan's FLOPs
-    (the Dk×Dk products), which pays where the N small steps are latency-bound (GPU: a handful of
-    launches per chunk) and not on CPU. Same function as `_chunk_scan` up to rounding: the maps
-    are products of the per-token transitions e^{g}(I − β k kᵀ), whose norms are ≤ 1.
+    (the Dk×Dk products) to replace N dependent steps (each a handful of small launches on a GPU)
+    by 2·log₂N levels. Measured on an H200 at the 27B layer shapes (T 8192, 48 heads, Dk = Dv =
+    128): forward 0.76×, forward + backward 1.03× the sequential scan's speed at chunk 64, 0.93× /
+    1.24× at chunk 128; in the 27B LoRA step 0.8 % faster for 7 GiB more memory. Not for CPU,
+    where the FLOPs are the cost. Same function as `_chunk_scan` up to rounding: the maps are
+    products of the per-token transitions e^{g}(I − β k kᵀ), whose norms are ≤ 1.
     """
     u, w, q_read, p, k_write, end_decay = chunks
     eye = jnp.eye(w.shape[-1], dtype=w.dtype)
