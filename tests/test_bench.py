@@ -383,3 +383,16 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     assert {"jax_fwd", "jax_split2_fwd_bwd"} <= set(res["gdn"])
     assert step["profile"]["op_seconds_per_step"] > 0 and res["matmul"]["peak_tflops"] > 0
     assert (tmp_path / "step_seq64_hlo.txt.gz").exists()
+
+
+def test_bench_gdn_times_the_log_depth_scan_beside_the_plain_one(capsys):
+    """`jaxpi bench gdn --impl jax_assoc`: the log-depth scan's figures, the plain scan's beside
+    them, their ratio and the outputs' difference (the same rule: fp32 rounding only)."""
+    rep = _run(capsys, "gdn", "--preset", "tiny", "--seq", "40", "--repeats", "1", "--vs", "none",
+               "--impl", "jax_assoc", "--json")  # fmt: skip
+    g = rep["results"]["gdn"]
+    assert g["impl"] == "jax_assoc" and g["interpreted"] is False
+    for part in ("fwd", "fwd_bwd"):
+        expected = g["plain_jax"][f"{part}_s"]["median"] / g["jaxpi"][f"{part}_s"]["median"]
+        assert g[f"speedup_jax_assoc_{part}"] == pytest.approx(expected)
+    assert g["max_abs_diff_jax_assoc_vs_plain"] < 1e-5
