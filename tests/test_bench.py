@@ -279,10 +279,43 @@ def test_profile_summary_sums_op_time_by_model_part():
     assert s["top_unmatched"][0]["name"] == "while.3"
 
 
+def test_profile_device_time_by_op_kind_and_busy_time():
+    from jaxpi.bench.profile import busy_seconds, seconds_by_op_kind
+
+    hlo = """
+  %custom-call.7 = (bf16[8,8]{1,0}, s8[64]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+  %gemm_fusion_dot.3 = f32[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%triton_gemm
+  %loop_add_fusion.2 = f32[8]{0} fusion(%c), kind=kLoop, calls=%add
+  %copy.4 = f32[8]{0} copy(%c)
+"""
+    events = [  # a kernel names its op (fusions) or carries it in args (library kernels)
+        {"name": "nvjet_sm90_tst_256x128", "ts": 0.0, "dur": 4.0, "args": {"hlo_op": "custom-call.7"}},
+        {"name": "gemm_fusion_dot_3", "ts": 2.0, "dur": 4.0, "args": {"hlo_op": "gemm_fusion_dot.3"}},
+        {"name": "loop_add_fusion.2", "ts": 10.0, "dur": 1.0},
+        {"name": "copy.4", "ts": 20.0, "dur": 1.0},
+        {"name": "MemcpyD2D", "ts": 30.0, "dur": 2.0, "args": {"hlo_op": "loop_dynamic_slice_fusion.9"}},
+        {"name": "x_fusion_5", "ts": 40.0, "dur": 3.0, "args": {"hlo_op": "x_fusion.5"}},
+    ]
+    kinds = seconds_by_op_kind(events, hlo, steps=1)
+    assert kinds == pytest.approx(
+        {
+            "cublas matmul": 4e-6,
+            "triton matmul fusion": 4e-6,
+            "fusion": 1e-6,
+            "other": 1e-6,
+            "memcpy/memset": 2e-6,
+            "unknown op": 3e-6,
+        }
+    )
+    # [0, 6) overlapping, then 1 + 1 + 2 + 3 apart: 13 µs
+    assert busy_seconds(events) == pytest.approx(13e-6)
+    assert busy_seconds([]) == 0.0
+
+
 def test_profile_reads_only_device_events_when_a_device_was_traced(tmp_path):
     import gzip
 
-    from jaxpi.bench.profile import _trace_events
+    from jaxpi.bench.profile import trace_events
 
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
@@ -293,11 +326,11 @@ def test_profile_reads_only_device_events_when_a_device_was_traced(tmp_path):
     ]
     with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as fh:
         json.dump({"traceEvents": events}, fh)
-    assert [e["dur"] for e in _trace_events(tmp_path)] == [3.0]
+    assert [e["dur"] for e in trace_events(tmp_path)] == [3.0]
     # a CPU-only trace keeps every complete event
     with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as fh:
         json.dump({"traceEvents": [events[0], events[2]]}, fh)
-    assert [e["dur"] for e in _trace_events(tmp_path)] == [5.0]
+    assert [e["dur"] for e in trace_events(tmp_path)] == [5.0]
 
 
 @pytest.mark.slow
@@ -346,7 +379,7 @@ def test_gpu_bench_gdn_variants_compute_the_same_rule():
     args = (q, k, v, g, beta)
 
     def out_and_grads(spec):
-        fn, _ = script.gdn_variant(spec)
+        fn = script.gdn_variant(spec)
         grads = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2, 3, 4))(*args)
         return fn(*args), grads
 
@@ -359,7 +392,7 @@ def test_gpu_bench_gdn_variants_compute_the_same_rule():
             gerr = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
             assert gerr < 1e-4, (spec, name, gerr)
     with pytest.raises(ValueError, match="impl must be one of"):
-        script.gdn_variant("cuda")[0](*args)
+        script.gdn_variant("cuda")(*args)
 
 
 @pytest.mark.slow

@@ -55,7 +55,6 @@ import functools
 import gzip
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -76,7 +75,7 @@ import optax
 from flax import nnx
 
 from jaxpi.config import QWEN3_5_27B, TINY, QwenConfig
-from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, chunked_gated_delta_rule_with
+from jaxpi.kernels.gated_delta import _chunk_scan, chunk_gated_delta_rule, chunked_gated_delta_rule_with
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.train.step import init_opt_state, make_train_step
@@ -190,7 +189,7 @@ def stage_torch_matmul(sizes: list[int], chain: int = 20) -> None:
 
 def time_gdn_variant(spec: str, res: dict, ref: np.ndarray, args: tuple) -> None:
     """fwd and fwd+bwd medians of one gdn stage entry, and its output's largest difference from `ref`."""
-    fn, _ = gdn_variant(spec)
+    fn = gdn_variant(spec)
     fwd = jax.jit(fn)
 
     def loss(*a):
@@ -208,8 +207,8 @@ def time_gdn_variant(spec: str, res: dict, ref: np.ndarray, args: tuple) -> None
             )
 
 
-def gdn_variant(spec: str) -> tuple[Callable[..., Any], int]:
-    """A gdn stage entry -> (fn(q, k, v, g, beta) -> output, chunk size). Entries: "impl",
+def gdn_variant(spec: str) -> Callable[..., jax.Array]:
+    """A gdn stage entry -> fn(q, k, v, g, beta) -> output. Entries: "impl",
     "impl@chunk", "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan
     carrying only the state, unrolled N times; the outputs from the saved chunk-entry states in
     one batched pass after it) and "pallas/PRECISION/BLOCK_V/WARPS/STAGES" (kernel options)."""
@@ -220,27 +219,22 @@ def gdn_variant(spec: str) -> tuple[Callable[..., Any], int]:
 
         precision, block_v, warps, stages = name.split("/")[1:]
         kw = dict(precision=precision, block_v=int(block_v), num_warps=int(warps), num_stages=int(stages))
-        return (
-            lambda q, k, v, g, beta: pallas_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, **kw)[0]
-        ), c
+        return lambda q, k, v, g, beta: pallas_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, **kw)[0]
     if name.startswith(("jax_unroll", "jax_split")):
         unroll = int(name.removeprefix("jax_unroll").removeprefix("jax_split"))
         split = name.startswith("jax_split")
 
-        def scan(chunks, state):
-            if split:
-                return _split_scan(chunks, state, unroll)
-            return jax.lax.scan(functools.partial(_chunk_step), state, chunks, unroll=unroll)
+        scan = functools.partial(_split_scan if split else _chunk_scan, unroll=unroll)
 
         def fn(q, k, v, g, beta):
             kw = dict(chunk_size=c, initial_state=None, segment_ids=None, use_qk_l2norm=True)
             return chunked_gated_delta_rule_with(scan, q, k, v, g, beta, **kw)[0]
 
-        return fn, c
-    return (lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=name)[0]), c
+        return fn
+    return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=name)[0]
 
 
-def _split_scan(chunks, state, unroll: int):
+def _split_scan(chunks, state, *, unroll: int):
     """The scan carries only S (two matmuls per chunk) and saves the state entering each chunk;
     Δ and the outputs follow for all chunks at once."""
     u, w, q_read, p, k_write, end_decay = chunks
@@ -256,15 +250,6 @@ def _split_scan(chunks, state, unroll: int):
     return final, out
 
 
-def _chunk_step(state, chunk):
-    """One step of the sequential chunk scan (the body of `gated_delta._chunk_scan`)."""
-    u, w, q_read, p, k_write, end_decay = chunk
-    delta = u - jnp.einsum("bhik,bhkv->bhiv", w, state)
-    out = jnp.einsum("bhik,bhkv->bhiv", q_read, state) + jnp.einsum("bhij,bhjv->bhiv", p, delta)
-    state = end_decay[..., None, None] * state + jnp.einsum("bhik,bhiv->bhkv", k_write, delta)
-    return state, out
-
-
 def stage_gdn(cfg: QwenConfig, seq: int, variants: list[str], torch_too: bool) -> None:
     h, dk, dv, c = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 64
     ks = jax.random.split(jax.random.key(2), 5)
@@ -277,7 +262,7 @@ def stage_gdn(cfg: QwenConfig, seq: int, variants: list[str], torch_too: bool) -
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, seq, h), jnp.float32))
     res: dict = {"shape": [1, seq, h, dk, dv], "chunk": c}
     RESULTS["gdn"] = res
-    ref = np.asarray(gdn_variant("jax")[0](q, k, v, g, beta).astype(jnp.float32))
+    ref = np.asarray(gdn_variant("jax")(q, k, v, g, beta).astype(jnp.float32))
     for spec in variants:
         try:
             time_gdn_variant(spec, res, ref, (q, k, v, g, beta))
@@ -421,20 +406,9 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float, pr
         res["profile"] = profile_step(compiled, state, opt_state, batch, step_name(seq, cfg.gdn_impl))
 
 
-_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
-
-
-def op_kind(name: str, rest: str) -> str:
-    if "__cublas" in rest:
-        return "cublas matmul"
-    if "kind=kCustom" in rest and "gemm" in name:
-        return "triton matmul fusion"
-    return "fusion" if " fusion(" in rest else "other"
-
-
 def profile_step(compiled, state, opt_state, batch, name: str) -> dict:
     """Trace one step; device time by model part, and the trace beside `--out` (≤ 15 MB gzipped)."""
-    from jaxpi.bench.profile import _trace_events, op_names, summarize
+    from jaxpi.bench.profile import busy_seconds, op_names, seconds_by_op_kind, summarize, trace_events
 
     trace_dir = Path(tempfile.mkdtemp(prefix="jaxpi-trace-"))
     t0 = time.perf_counter()
@@ -443,30 +417,16 @@ def profile_step(compiled, state, opt_state, batch, name: str) -> dict:
         jax.block_until_ready(metrics)
     traced_s = time.perf_counter() - t0
     hlo = compiled.as_text()
-    events = _trace_events(trace_dir)
+    events = trace_events(trace_dir)
     out = summarize(events, op_names(hlo), steps=1)
     out["traced_step_wall_s"] = traced_s
-    # the device's busy time (union of kernel intervals) against the traced wall time: the rest
-    # is the GPU waiting on the host (launches, while-loop predicates)
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e)
-    busy, end = 0.0, -1.0
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    out["device_busy_s"] = busy * 1e-6
-    out["kernels"] = len(spans)
+    # the device's busy time against the traced wall time: the rest is the GPU waiting on the host
+    out["device_busy_s"] = busy_seconds(events)
+    out["kernels"] = len(events)
+    out["kinds"] = seconds_by_op_kind(events, hlo)
     per_kernel: dict = {}
     for e in events:
         per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"] * 1e-6
-    # device time by kind of HLO op: library matmuls, Triton matmul fusions, other fusions, copies
-    kind_of = {m.group(1): op_kind(m.group(1), m.group(2)) for m in _HLO_INSTR.finditer(hlo)}
-    kinds: dict = {}
-    for e in events:
-        op = e.get("args", {}).get("hlo_op", "")
-        kind = kind_of.get(op, "memcpy/memset" if e["name"].startswith("mem") else "unknown op")
-        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] * 1e-6
-    out["kinds"] = kinds
     out["top_kernels"] = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
     for f in trace_dir.rglob("perfetto_trace.json.gz"):
         if f.stat().st_size < 15e6:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -73,7 +74,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def _trace_events(trace_dir: Path) -> list[dict[str, Any]]:
+def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
     """Complete events of the newest trace; on an accelerator only the device's own (its kernels),
     so the host's launch events named after the same HLO ops are not counted twice."""
     files = sorted(trace_dir.rglob("*.trace.json.gz")) + sorted(trace_dir.rglob("perfetto_trace.json.gz"))
@@ -98,6 +99,44 @@ def hlo_op_of(event: dict[str, Any], names: dict[str, str]) -> str | None:
         return event["name"]
     op = event.get("args", {}).get("hlo_op")
     return op if op in names else None
+
+
+_INSTR_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
+
+
+def _op_kind(name: str, rest: str) -> str:
+    if "__cublas" in rest:
+        return "cublas matmul"
+    if "kind=kCustom" in rest and "gemm" in name:
+        return "triton matmul fusion"
+    return "fusion" if " fusion(" in rest else "other"
+
+
+def seconds_by_op_kind(events: list[dict[str, Any]], hlo_text: str, steps: int = 1) -> dict[str, float]:
+    """Device seconds per step by kind of HLO op: library (cuBLAS) matmuls, Triton matmul
+    fusions, other fusions, other ops; copies the runtime makes ("Memcpy…", "memset…"), and
+    events naming an op the optimized HLO does not hold, apart."""
+    kind_of = {m.group(1): _op_kind(m.group(1), m.group(2)) for m in _INSTR_LINE.finditer(hlo_text)}
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        op = e["name"] if e["name"] in kind_of else e.get("args", {}).get("hlo_op", "")
+        if op in kind_of:
+            kind = kind_of[op]
+        else:
+            kind = "memcpy/memset" if e["name"].lower().startswith("mem") else "unknown op"
+        out[kind] += e["dur"] * 1e-6 / steps
+    return dict(out)
+
+
+def busy_seconds(events: list[dict[str, Any]]) -> float:
+    """The union of the events' [start, start + duration) intervals: on a device trace, the time
+    some kernel ran (the rest of the wall time it waited on the host)."""
+    busy, end = 0.0, -math.inf
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy * 1e-6
 
 
 def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -> dict[str, Any]:
@@ -156,7 +195,7 @@ def profile_train_step(
             jax.block_until_ready(metrics)
     hlo = step.as_text()
     (out_dir / "step.hlo.txt").write_text(hlo)  # to read an op's fusion after the fact
-    res = summarize(_trace_events(out_dir), op_names(hlo), steps)
+    res = summarize(trace_events(out_dir), op_names(hlo), steps)
     res["trace_dir"] = str(out_dir)
     res["steps"] = steps
     return res
