@@ -20,7 +20,37 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp")
 
 
 # `gdn_impl` values: see jaxpi.kernels.gated_delta.chunk_gated_delta_rule
-GDN_IMPLS = ("jax", "jax_assoc", "pallas")
+GDN_IMPLS = ("jax", "jax_assoc", "jax_split", "pallas", "pallas_split")
+# `gdn_kernel` knobs of the Pallas gated delta rule (jaxpi.kernels.pallas.KernelOptions), by type
+GDN_KERNEL_KNOBS = {"block_v": int, "num_warps": int, "num_stages": int, "precision": str}
+GDN_KERNEL_PRECISIONS = ("default", "tf32", "highest")
+
+
+def parse_gdn_kernel(spec: str) -> dict[str, int | str]:
+    """`gdn_kernel` -> keyword arguments of the Pallas gated delta rule.
+
+    "block_v=16,num_warps=4,num_stages=2,precision=tf32" (any subset, any order; "" for none).
+    Checks names, types and ranges here; that block_v divides the value head dim is checked when
+    the kernels are built.
+    """
+    out: dict[str, int | str] = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or name not in GDN_KERNEL_KNOBS:
+            raise ValueError(
+                f"gdn_kernel {spec!r}: {part!r} is not NAME=VALUE with NAME in {tuple(GDN_KERNEL_KNOBS)}"
+            )
+        if GDN_KERNEL_KNOBS[name] is int:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"gdn_kernel {spec!r}: {name} must be a positive integer, got {value!r}")
+            out[name] = int(value)
+        elif value not in GDN_KERNEL_PRECISIONS:
+            raise ValueError(
+                f"gdn_kernel {spec!r}: precision must be one of {GDN_KERNEL_PRECISIONS}, got {value!r}"
+            )
+        else:
+            out[name] = value
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +78,11 @@ class QwenConfig:
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
     # the chunked gated delta rule, one of GDN_IMPLS: "jax" (plain JAX, sequential over chunks),
-    # "jax_assoc" (plain JAX, chunks composed in log depth: for GPU/TPU) or "pallas" (kernels)
+    # "jax_assoc" (plain JAX, chunks composed in log depth: for GPU/TPU), "jax_split" (plain JAX,
+    # a state-only scan and chunk-parallel products), "pallas" / "pallas_split" (kernels)
     gdn_impl: str = "jax"
+    # the Pallas paths' kernel settings, `parse_gdn_kernel`'s "block_v=16,num_stages=2" ("": defaults)
+    gdn_kernel: str = ""
     norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
     # Losses apply the LM head this many positions at a time (0: all at once), see jaxpi.kernels.lm_head
     loss_chunk: int = 0
@@ -92,6 +125,13 @@ class QwenConfig:
             errors.append(f"gdn_chunk_size {self.gdn_chunk_size} must be a power of two")
         if self.gdn_impl not in GDN_IMPLS:
             errors.append(f"gdn_impl {self.gdn_impl!r} is not one of {GDN_IMPLS}")
+        try:
+            if parse_gdn_kernel(self.gdn_kernel) and not self.gdn_impl.startswith("pallas"):
+                errors.append(
+                    f"gdn_kernel {self.gdn_kernel!r} applies only to gdn_impl pallas / pallas_split"
+                )
+        except ValueError as e:
+            errors.append(str(e))
         if self.norm_impl not in ("jax", "pallas"):
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
         if self.loss_chunk < 0:

@@ -384,7 +384,15 @@ def test_gpu_bench_gdn_variants_compute_the_same_rule():
         return fn(*args), grads
 
     ref_out, ref_grads = out_and_grads("jax@32")
-    for spec in ("jax_unroll4@32", "jax_split2@32", "jax_assoc@32", "jax_assoc", "pallas/tf32/16/4/1@32"):
+    variants = (
+        "jax_unroll4@32",
+        "jax_split2@32",
+        "jax_split@32",
+        "jax_assoc@32",
+        "jax_assoc",
+        "pallas/tf32/16/4/1@32",
+    )
+    for spec in (*variants, "pallas_split/tf32/16/4/1@32", "pallas_split@32"):
         out, grads = out_and_grads(spec)
         err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
         assert err < 1e-5, (spec, err)

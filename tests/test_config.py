@@ -1,10 +1,21 @@
 """QwenConfig: HF config.json in and out, presets, validation."""
 
+import dataclasses
 import json
 
 import pytest
 
-from jaxpi.config import FULL, LINEAR, QWEN3_5_27B, TINY, QwenConfig, preset
+from jaxpi.config import (
+    FULL,
+    GDN_KERNEL_KNOBS,
+    GDN_KERNEL_PRECISIONS,
+    LINEAR,
+    QWEN3_5_27B,
+    TINY,
+    QwenConfig,
+    parse_gdn_kernel,
+    preset,
+)
 
 
 def test_27b_preset_matches_published_numbers():
@@ -75,6 +86,10 @@ def test_layer_types_default_and_full_attention_interval():
         ({"layer_types": ("moe",) * 4}, "unknown layer types"),
         ({"remat": "sometimes"}, "remat"),
         ({"gdn_chunk_size": 48}, "power of two"),
+        ({"gdn_impl": "pallas", "gdn_kernel": "block_v=16,warps=4"}, r"'warps=4' is not NAME=VALUE"),
+        ({"gdn_impl": "pallas", "gdn_kernel": "block_v=0"}, "block_v must be a positive integer"),
+        ({"gdn_impl": "pallas", "gdn_kernel": "precision=fp8"}, "precision must be one of"),
+        ({"gdn_kernel": "block_v=16"}, "applies only to gdn_impl pallas"),
     ],
 )
 def test_invalid_configs_are_explained(change, message):
@@ -91,3 +106,17 @@ def test_from_hf_rejects_other_models(tmp_path):
         QwenConfig.from_hf(tmp_path)
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("qwen9")
+
+
+def test_gdn_kernel_settings_parse_to_the_kernel_options():
+    from jaxpi.kernels.pallas import KernelOptions
+    from jaxpi.kernels.pallas.gdn import _PRECISIONS
+
+    assert parse_gdn_kernel("") == {}
+    got = parse_gdn_kernel(" block_v=16, num_stages=2 ,precision=tf32,num_warps=8")
+    assert got == {"block_v": 16, "num_stages": 2, "precision": "tf32", "num_warps": 8}
+    assert KernelOptions(**got).resolve_block_v(128) == 16
+    # the names and precisions accepted here are exactly the kernels' options
+    assert set(GDN_KERNEL_PRECISIONS) == set(_PRECISIONS)
+    assert set(GDN_KERNEL_KNOBS) == {f.name for f in dataclasses.fields(KernelOptions)} - {"interpret"}
+    assert TINY.replace(gdn_impl="pallas_split", gdn_kernel="block_v=8").gdn_kernel == "block_v=8"

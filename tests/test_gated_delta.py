@@ -130,15 +130,20 @@ def test_chunked_backward_matches_hf(length: int, chunk_size: int, k_heads: int,
         assert_close(grad, leaf.grad, GRAD_TOL, f"d{name}")
 
 
-@pytest.mark.parametrize("length", [100, 112])  # 7 chunks of 16 (an odd count for the scan's pairs), 7 whole
-def test_assoc_scan_matches_hf_and_the_sequential_scan(length: int):
-    """`impl="jax_assoc"` (the chunks' affine maps composed by `lax.associative_scan`) against
-    transformers and the sequential scan, forward and backward, with decays slow enough (|g| ≈ 0.03
-    per token) that the state entering every chunk carries all the ones before it."""
+@pytest.mark.parametrize(
+    ("impl", "length"),
+    # 7 chunks of 16 (an odd count for the associative scan's pairs), 7 whole
+    [("jax_assoc", 100), ("jax_assoc", 112), ("jax_split", 100)],
+)
+def test_parallel_scans_match_hf_and_the_sequential_scan(impl: str, length: int):
+    """`impl="jax_assoc"` (the chunks' affine maps composed by `lax.associative_scan`) and
+    `impl="jax_split"` (a state-only recurrence, chunk-parallel products, a hand-written backward)
+    against transformers and the sequential scan, forward and backward, with decays slow enough
+    (|g| ≈ 0.03 per token) that the state entering every chunk carries all the ones before it."""
     *args, s0 = make_inputs(11, 2, length, 2, 6)
     args[3] = 0.02 * args[3]
     cot_out, cot_state = cotangents(12, (2, length, 6, 16), s0.shape)
-    assoc = functools.partial(chunk_gated_delta_rule, chunk_size=16, impl="jax_assoc")
+    assoc = functools.partial(chunk_gated_delta_rule, chunk_size=16, impl=impl)
     out, state = jax.jit(assoc)(*args, initial_state=s0)
     ref_out, ref_state = hf_run(torch_chunk_gated_delta_rule, args, s0, chunk_size=16)
     assert_close(out, ref_out, FWD_TOL, "output vs hf chunked")
@@ -236,9 +241,10 @@ def separate_runs_with_grads(args, s0, cot_out, cot_state):
     [
         functools.partial(chunk_gated_delta_rule, chunk_size=32),
         functools.partial(chunk_gated_delta_rule, chunk_size=16, impl="jax_assoc"),
+        functools.partial(chunk_gated_delta_rule, chunk_size=16, impl="jax_split"),
         recurrent_gated_delta_rule,
     ],
-    ids=["chunked", "chunked-assoc", "recurrent"],
+    ids=["chunked", "chunked-assoc", "chunked-split", "recurrent"],
 )
 def test_segments_equal_separate_runs(fn):
     *args, s0 = make_inputs(8, 2, 100, 2, 6)

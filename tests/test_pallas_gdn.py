@@ -45,13 +45,16 @@ CASES = {  # batch, length, key heads, value heads, Dk, Dv, chunk, block_v, segm
     # one head pair, T a multiple of the chunk, no segments, zero initial state, one Dv block
     "plain": (1, 64, 1, 1, 16, 16, 16, None, False, False),
 }
-# (case, interpret): the GPU kernels in the generic interpreter (the CPU default), and the TPU
-# kernels (one chunk per grid step, the state in VMEM scratch) in the TPU interpreter. "plain"
-# runs only in `make test-slow`: the GQA case covers every kernel path it does.
+# (case, interpret, split): the GPU kernels in the generic interpreter (the CPU default), and the
+# TPU kernels (one chunk per grid step, the state in VMEM scratch) in the TPU interpreter; the
+# fused chunk scan and the split one (`gated_delta.split_chunk_scan` with the recurrence kernel).
+# "plain" runs only in `make test-slow`: the GQA case covers every kernel path it does.
 RUNS = [
-    ("gqa_segments_state", None),
-    ("gqa_segments_state", "tpu"),
-    pytest.param("plain", None, marks=pytest.mark.slow),
+    ("gqa_segments_state", None, False),
+    ("gqa_segments_state", "tpu", False),
+    ("gqa_segments_state", None, True),
+    ("gqa_segments_state", "tpu", True),
+    pytest.param("plain", None, False, marks=pytest.mark.slow),
 ]
 
 
@@ -141,10 +144,14 @@ def references(name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
     return named(ref), named(float64_recurrence(args, segment_ids, *cotangents(args)))
 
 
-@pytest.mark.parametrize(("name", "interpret"), RUNS, ids=["gqa-gpu", "gqa-tpu", "plain-gpu"])
-def test_pallas_matches_plain_jax_and_float64(name: str, interpret: str | None):
+@pytest.mark.parametrize(
+    ("name", "interpret", "split"),
+    RUNS,
+    ids=["gqa-gpu", "gqa-tpu", "gqa-gpu-split", "gqa-tpu-split", "plain-gpu"],
+)
+def test_pallas_matches_plain_jax_and_float64(name: str, interpret: str | None, split: bool):
     args, segment_ids, kw = make_case(name)
-    pallas = functools.partial(pallas_chunk_gated_delta_rule, interpret=interpret, **kw)
+    pallas = functools.partial(pallas_chunk_gated_delta_rule, interpret=interpret, split=split, **kw)
     got = named(outputs_and_grads(pallas, args, segment_ids, *cotangents(args)))
     ref, f64 = references(name)
     assert got["output"].shape == args[2].shape and got["final state"].shape == args[5].shape
@@ -192,16 +199,18 @@ def test_bad_arguments_are_refused():
         KernelOptions(interpret="gpu")
 
 
-# What each platform's lowering must contain: the custom call and both kernels by name.
+# What each platform's lowering must contain: the custom call and the kernels by name.
 LOWERED = {
-    "cuda": ("__gpu$xla.gpu.triton", r'name = "(forward|backward)_kernel"'),
-    "tpu": ("tpu_custom_call", r'kernel_name = "(forward|backward)_kernel"'),
+    "cuda": ("__gpu$xla.gpu.triton", r'name = "(\w+)_kernel"'),
+    "tpu": ("tpu_custom_call", r'kernel_name = "(\w+)_kernel"'),
 }
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("platform", sorted(LOWERED))
-def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
+def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str, split: bool):
     """Forward + backward exported for the platform from this CPU: Dk = Dv = 128, chunk 64, bf16 q/k/v.
+    Fused: the forward and backward kernels; split: the recurrence kernel once per direction.
 
     This checks the Pallas → Triton / Mosaic lowering (block shapes, the ops the kernels use, the
     per-platform dispatch), not the device compiler after it (register and shared-memory limits).
@@ -218,7 +227,7 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
         def step(*xs):
             def loss(*ys):
                 out, state = pallas_chunk_gated_delta_rule(
-                    *ys[:5], initial_state=ys[5], segment_ids=xs[6], precision=precision
+                    *ys[:5], initial_state=ys[5], segment_ids=xs[6], precision=precision, split=split
                 )
                 return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
@@ -233,7 +242,8 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
     target, kernel_name = LOWERED[platform]
     text = lowered("default")
     assert re.findall(r"custom_call @([\w$.]+)", text).count(target) == 2
-    assert sorted(m.group(1) for m in re.finditer(kernel_name, text)) == ["backward", "forward"]
+    names = ["recurrence", "recurrence"] if split else ["backward", "forward"]
+    assert sorted(m.group(1) for m in re.finditer(kernel_name, text)) == names
     if platform == "cuda":
         # grid (batch, value heads, Dv / block_v) with block_v 32
         assert text.count("grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 4 : i32") == 2
@@ -256,7 +266,8 @@ def test_lowers_for_gpu_and_tpu_at_27b_head_shapes(platform: str):
 
 
 def test_model_config_selects_the_pallas_path_end_to_end(tmp_path):
-    """`model.gdn_impl=pallas` reaches every DeltaNet layer: the same logits and gradients as jax."""
+    """`model.gdn_impl=pallas` / `pallas_split` (and `model.gdn_kernel`) reach every DeltaNet layer:
+    the logits and gradients of jax."""
     from flax import nnx
 
     from jaxpi import TINY, load_hf
@@ -269,17 +280,29 @@ def test_model_config_selects_the_pallas_path_end_to_end(tmp_path):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 21)), jnp.int32)
     seg = jnp.asarray([[0] * 9 + [1] * 12])
     results = {}
-    for impl in ("jax", "pallas"):
-        model = load_hf(ckpt, config_overrides=ModelConfig(gdn_impl=impl).overrides())[1]
+    with pytest.raises(ValueError, match="gdn_kernel"):
+        ModelConfig(gdn_impl="jax", gdn_kernel="block_v=8")
+    # the split path with its kernel settings from the config: two Dv blocks of 8 per head
+    kernel = {"jax": "", "pallas": "", "pallas_split": "block_v=8"}
+    for impl in ("jax", "pallas", "pallas_split"):
+        overrides = ModelConfig(gdn_impl=impl, gdn_kernel=kernel[impl]).overrides()
+        model = load_hf(ckpt, config_overrides=overrides)[1]
         graphdef, params = nnx.split(model, nnx.Param)
 
         def loss(p, graphdef=graphdef):
             return jnp.mean(nnx.merge(graphdef, p)(ids, segment_ids=seg) ** 2)
 
-        # the kernels are in the traced program exactly when they were asked for
-        assert ("pallas_call" in str(jax.make_jaxpr(loss)(params))) == (impl == "pallas")
+        # the kernels are in the traced program exactly when they were asked for, as configured
+        jaxpr = str(jax.make_jaxpr(loss)(params))
+        assert ("pallas_call" in jaxpr) == impl.startswith("pallas")
+        if impl != "jax":
+            # grids (batch, heads, Dv blocks) for GPU, (batch, heads, chunks) for the TPU branch
+            heads, dv = TINY.linear_num_value_heads, TINY.linear_value_head_dim
+            gpu = f"1, {heads}, {dv // (8 if impl == 'pallas_split' else min(dv, 32))}"
+            assert set(re.findall(r"grid=\(([^)]*)\)", jaxpr)) == {gpu, f"1, {heads}, 1"}
         value, grads = jax.jit(jax.value_and_grad(loss))(params)
         results[impl] = (float(value), jax.tree.leaves(grads))
-    assert abs(results["pallas"][0] - results["jax"][0]) <= 1e-6 * abs(results["jax"][0])
-    for got, want in zip(results["pallas"][1], results["jax"][1], strict=True):
-        assert rel_err(got, want) <= 1e-5
+    for impl in ("pallas", "pallas_split"):
+        assert abs(results[impl][0] - results["jax"][0]) <= 1e-6 * abs(results["jax"][0]), impl
+        for got, want in zip(results[impl][1], results["jax"][1], strict=True):
+            assert rel_err(got, want) <= 1e-5, impl

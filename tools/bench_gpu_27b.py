@@ -32,17 +32,20 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
                                     composed maps not counted)
 
     python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
-                                  [--loss-chunk 1024] [--gdn-chunk 64] [--profile] [--no-torch]
+                                  [--loss-chunk 1024] [--gdn-chunk 64] [--gdn-kernel block_v=16,num_stages=2]
+                                  [--profile] [--no-torch]
                                   [--gdn-variants jax jax_assoc jax_assoc@128 jax_unroll8]
 
-`--impl` lists the kernel paths of the step to measure: "jax" (plain JAX, sequential chunk scan),
-"jax_assoc" (plain JAX, the chunks composed in log depth) and/or "pallas" (the Pallas gated delta
-rule and norms): `gdn_impl`, and `norm_impl` = "pallas" for pallas, else "jax" (or `--norm-impl`,
-for the Pallas gated delta rule with the plain norms, say). The step stage
-runs once per path (`step_seq8192`, `step_seq8192_jax_assoc`, ...). The gdn stage times each
-`--gdn-variants` entry (default: the `--impl` paths) on the same inputs: "impl@chunk" for another
-chunk size, "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan carrying
-only the state), "pallas/PRECISION/BLOCK_V/WARPS/STAGES" (Pallas kernel options), and records
+`--impl` lists the kernel paths of the step to measure, each a `gdn_impl`: "jax" (plain JAX,
+sequential chunk scan), "jax_assoc" (plain JAX, the chunks composed in log depth), "jax_split"
+(plain JAX, a state-only recurrence and chunk-parallel products), "pallas" (the Pallas chunk-scan
+kernels) and/or "pallas_split" (the split scan with its recurrence in Pallas); `norm_impl` =
+"pallas" for the Pallas paths, else "jax" (or `--norm-impl`, for the Pallas gated delta rule with
+the plain norms, say). The step stage runs once per path (`step_seq8192`, `step_seq8192_jax_assoc`,
+...). The gdn stage times each `--gdn-variants` entry (default: the `--impl` paths) on the same
+inputs: "impl@chunk" for another chunk size, "jax_unrollN" (the sequential scan unrolled N times),
+"jax_splitN" (the split scan, its recurrence unrolled N times), "pallas/PRECISION/BLOCK_V/WARPS/STAGES"
+and "pallas_split/PRECISION/BLOCK_V/WARPS/STAGES" (Pallas kernel options), and records
 each one's largest output difference from plain "jax" at chunk 64 run op by op (not jitted: on
 the H200 the jitted plain path itself differs from it by 2.1e-3 of max|o| with bf16 inputs and
 TF32 dots).
@@ -74,8 +77,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpi.config import QWEN3_5_27B, TINY, QwenConfig
-from jaxpi.kernels.gated_delta import _chunk_scan, chunk_gated_delta_rule, chunked_gated_delta_rule_with
+from jaxpi.config import GDN_IMPLS, QWEN3_5_27B, TINY, QwenConfig
+from jaxpi.kernels.gated_delta import (
+    _chunk_scan,
+    chunk_gated_delta_rule,
+    chunked_gated_delta_rule_with,
+    linear_recurrence,
+    split_chunk_scan,
+)
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.train.step import init_opt_state, make_train_step
@@ -209,22 +218,24 @@ def time_gdn_variant(spec: str, res: dict, ref: np.ndarray, args: tuple) -> None
 
 def gdn_variant(spec: str) -> Callable[..., jax.Array]:
     """A gdn stage entry -> fn(q, k, v, g, beta) -> output. Entries: "impl",
-    "impl@chunk", "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN" (a scan
-    carrying only the state, unrolled N times; the outputs from the saved chunk-entry states in
-    one batched pass after it) and "pallas/PRECISION/BLOCK_V/WARPS/STAGES" (kernel options)."""
+    "impl@chunk", "jax_unrollN" (the sequential scan unrolled N times), "jax_splitN"
+    (`split_chunk_scan` with its plain-JAX recurrence unrolled N times) and
+    "pallas/PRECISION/BLOCK_V/WARPS/STAGES" or "pallas_split/..." (kernel options)."""
     name, _, chunk = spec.partition("@")
     c = int(chunk or 64)
-    if name.startswith("pallas/"):
+    if name.startswith(("pallas/", "pallas_split/")):
         from jaxpi.kernels.pallas import pallas_chunk_gated_delta_rule
 
-        precision, block_v, warps, stages = name.split("/")[1:]
+        kind, precision, block_v, warps, stages = name.split("/")
         kw = dict(precision=precision, block_v=int(block_v), num_warps=int(warps), num_stages=int(stages))
+        kw["split"] = kind == "pallas_split"
         return lambda q, k, v, g, beta: pallas_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, **kw)[0]
-    if name.startswith(("jax_unroll", "jax_split")):
+    if name.startswith(("jax_unroll", "jax_split")) and name not in GDN_IMPLS:
         unroll = int(name.removeprefix("jax_unroll").removeprefix("jax_split"))
-        split = name.startswith("jax_split")
-
-        scan = functools.partial(_split_scan if split else _chunk_scan, unroll=unroll)
+        if name.startswith("jax_split"):
+            scan = split_chunk_scan(functools.partial(linear_recurrence, unroll=unroll))
+        else:
+            scan = functools.partial(_chunk_scan, unroll=unroll)
 
         def fn(q, k, v, g, beta):
             kw = dict(chunk_size=c, initial_state=None, segment_ids=None, use_qk_l2norm=True)
@@ -232,22 +243,6 @@ def gdn_variant(spec: str) -> Callable[..., jax.Array]:
 
         return fn
     return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c, impl=name)[0]
-
-
-def _split_scan(chunks, state, *, unroll: int):
-    """The scan carries only S (two matmuls per chunk) and saves the state entering each chunk;
-    Δ and the outputs follow for all chunks at once."""
-    u, w, q_read, p, k_write, end_decay = chunks
-
-    def step(s, x):
-        u_, w_, kw_, d_ = x
-        delta = u_ - jnp.einsum("bhik,bhkv->bhiv", w_, s)
-        return d_[..., None, None] * s + jnp.einsum("bhik,bhiv->bhkv", kw_, delta), s
-
-    final, starts = jax.lax.scan(step, state, (u, w, k_write, end_decay), unroll=unroll)
-    delta = u - jnp.einsum("nbhik,nbhkv->nbhiv", w, starts)
-    out = jnp.einsum("nbhik,nbhkv->nbhiv", q_read, starts) + jnp.einsum("nbhij,nbhjv->nbhiv", p, delta)
-    return final, out
 
 
 def stage_gdn(cfg: QwenConfig, seq: int, variants: list[str], torch_too: bool) -> None:
@@ -346,6 +341,7 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float, pr
         "remat": cfg.remat,
         "layers": cfg.num_hidden_layers,
         "gdn_impl": cfg.gdn_impl,
+        "gdn_kernel": cfg.gdn_kernel,
         "gdn_chunk_size": cfg.gdn_chunk_size,
         "norm_impl": cfg.norm_impl,
         "loss_chunk": cfg.loss_chunk,
@@ -467,21 +463,27 @@ def main() -> int:
         "--impl",
         nargs="+",
         default=["jax"],
-        choices=["jax", "jax_assoc", "pallas"],
-        help="kernel paths of the step to measure",
+        choices=list(GDN_IMPLS),
+        help="the step's gdn_impl, one step stage per entry",
     )
     ap.add_argument("--gdn-chunk", type=int, default=64, help="the step's gdn_chunk_size")
+    ap.add_argument(
+        "--gdn-kernel",
+        default="",
+        help="the Pallas step paths' gdn_kernel, e.g. \"block_v=16,num_stages=2\" (default: the kernels' defaults)",
+    )
     ap.add_argument(
         "--norm-impl",
         choices=["jax", "pallas"],
         default=None,
-        help="the step's norm_impl (default: pallas for --impl pallas, else jax)",
+        help="the step's norm_impl (default: pallas for --impl pallas / pallas_split, else jax)",
     )
     ap.add_argument(
         "--gdn-variants",
         nargs="+",
         default=None,
-        help='gdn stage entries: "impl", "impl@chunk", "jax_unrollN", "jax_splitN", "pallas/PREC/BV/WARPS/STAGES"'
+        help='gdn stage entries: "impl", "impl@chunk", "jax_unrollN", "jax_splitN", "pallas/PREC/BV/WARPS/STAGES",'
+        ' "pallas_split/PREC/BV/WARPS/STAGES"'
         " (default: the --impl paths)",
     )
     ap.add_argument("--no-torch", action="store_true", help="no transformers comparison in the gdn stage")
@@ -492,9 +494,14 @@ def main() -> int:
     cfg = (TINY if args.tiny else QWEN3_5_27B).replace(remat=args.remat)
 
     def kernels(impl: str) -> QwenConfig:
-        norm = args.norm_impl or ("pallas" if impl == "pallas" else "jax")
+        pallas = impl.startswith("pallas")
+        norm = args.norm_impl or ("pallas" if pallas else "jax")
         return cfg.replace(
-            gdn_impl=impl, norm_impl=norm, loss_chunk=args.loss_chunk, gdn_chunk_size=args.gdn_chunk
+            gdn_impl=impl,
+            gdn_kernel=args.gdn_kernel if pallas else "",
+            norm_impl=norm,
+            loss_chunk=args.loss_chunk,
+            gdn_chunk_size=args.gdn_chunk,
         )
 
     stage_env()

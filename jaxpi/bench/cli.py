@@ -358,7 +358,8 @@ def add_subparser(sub: Any) -> None:
                 choices=list(GDN_IMPLS),
                 default="jax",
                 help="jaxpi's DeltaNet kernel: jax (sequential chunk scan), jax_assoc (log-depth), "
-                "pallas (kernels); any but jax also times jax",
+                "jax_split (state-only scan + chunk-parallel products), pallas / pallas_split (kernels); "
+                "any but jax also times jax",
             )
         if name == "all":
             p.add_argument("--compile-layers", default="8,16,64")

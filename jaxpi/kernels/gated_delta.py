@@ -309,6 +309,113 @@ def _chunk_scan_assoc(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[
 
 
 ChunkScan = Callable[[tuple[jax.Array, ...], jax.Array], tuple[jax.Array, jax.Array]]
+# recurrence(a, b, u, d, r, x0, reverse) -> (xs, final): see `linear_recurrence`
+Recurrence = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def linear_recurrence(
+    a: jax.Array,
+    b: jax.Array,
+    u: jax.Array,
+    d: jax.Array,
+    r: jax.Array | None,
+    x0: jax.Array,
+    *,
+    reverse: bool,
+    unroll: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """X ← d_n ⊙ X + B_nᵀ (U_n − A_n X) (+ R_n) over the chunks n, in order or in reverse.
+
+    a, b [N, B, H, C, K]; u [N, B, H, C, V]; d [N, B, H] (a scale of the whole carry per step);
+    r [N, B, H, K, V] or None; x0 [B, H, K, V]. Returns (xs [N, B, H, K, V], the carry entering each
+    step n, and the carry after the last step). Both passes of the split chunk scan are this
+    recurrence (`split_chunk_scan`): two matmuls per step, nothing else sequential. The plain-JAX
+    version (a `lax.scan`); `jaxpi.kernels.pallas` has it as a kernel with the same contract.
+    """
+
+    def step(x: jax.Array, chunk: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        a_, b_, u_, d_, *r_ = chunk
+        y = u_ - jnp.einsum("bhik,bhkv->bhiv", a_, x)
+        new = d_[..., None, None] * x + jnp.einsum("bhik,bhiv->bhkv", b_, y)
+        return (new + r_[0] if r_ else new), x
+
+    xs = (a, b, u, d) + (() if r is None else (r,))
+    final, entering = jax.lax.scan(step, x0, xs, reverse=reverse, unroll=unroll)
+    return entering, final
+
+
+def _split_outputs(chunks: tuple[jax.Array, ...], starts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(Δ, O) for all chunks at once from the state entering each: Δ = U − W S, O = Q_r S + P Δ."""
+    u, w, q_read, p, _, _ = chunks
+    delta = u - jnp.einsum("nbhik,nbhkv->nbhiv", w, starts)
+    out = jnp.einsum("nbhik,nbhkv->nbhiv", q_read, starts) + jnp.einsum("nbhij,nbhjv->nbhiv", p, delta)
+    return delta, out
+
+
+def split_chunk_scan(recurrence: Recurrence = linear_recurrence) -> ChunkScan:
+    """`_chunk_scan` split into a state-only recurrence and chunk-parallel products, with its VJP.
+
+    Forward: the states entering the chunks, S_{n+1} = d ⊙ S_n + K_wᵀ (U − W S_n), are the only
+    sequential part (`recurrence` with A = W, B = K_w); Δ and O follow for all chunks at once
+    (`_split_outputs`). Backward: with dS'_n the cotangent of the state leaving chunk n,
+
+        dS_n = d ⊙ dS'_n + Q_rᵀ dO_n − Wᵀ dΔ_n = d ⊙ dS'_n + Wᵀ (−Pᵀ dO_n − K_w dS'_n) + Q_rᵀ dO_n
+
+    is the same recurrence in reverse (A = K_w, B = W, U = −Pᵀ dO, R = Q_rᵀ dO, both taken for all
+    chunks first), and every other cotangent is chunk-parallel once the dS'_n are known:
+    dΔ = Pᵀ dO + K_w dS', dU = dΔ, dW = −dΔ Sᵀ, dQ_r = dO Sᵀ, dP = dO Δᵀ, dK_w = Δ dS'ᵀ,
+    dd = Σ S ⊙ dS'. The sequential steps do 2 small matmuls each (the fused scan: 4 forward and,
+    differentiated, ~9 backward); the price is the states entering the chunks, saved for the
+    backward ([N, B, H, Dk, Dv] float32, 2·T·Dv floats per head at Dk = 128, C = 64), and Δ computed
+    twice (once inside the recurrence, once outside). This is how fla's Triton kernels split the
+    work; `recurrence` is `linear_recurrence` (plain JAX, `impl="jax_split"`) or the Pallas kernel
+    (`impl="pallas_split"`).
+    """
+
+    def forward(
+        chunks: tuple[jax.Array, ...], state: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        u, w, _, _, k_write, end_decay = chunks
+        with jax.named_scope("state_recurrence"):
+            starts, final = recurrence(w, k_write, u, end_decay, None, state, reverse=False)
+        with jax.named_scope("chunk_outputs"):
+            out = _split_outputs(chunks, starts)[1]
+        return (final, out), starts
+
+    @jax.custom_vjp
+    def scan(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return forward(chunks, state)[0]
+
+    def scan_fwd(chunks, state):
+        result, starts = forward(chunks, state)
+        return result, (chunks, starts)
+
+    def scan_bwd(residuals, cotangents):
+        chunks, starts = residuals
+        dfinal, dout = cotangents
+        _, w, q_read, p, k_write, end_decay = chunks
+        pt_dout = jnp.einsum("nbhij,nbhiv->nbhjv", p, dout)  # Pᵀ dO
+        with jax.named_scope("state_cotangent_recurrence"):
+            r = jnp.einsum("nbhik,nbhiv->nbhkv", q_read, dout)  # Q_rᵀ dO
+            # dS'_n for every chunk (the carry entering reverse step n), and dS_0
+            dleaving, dstate = recurrence(k_write, w, -pt_dout, end_decay, r, dfinal, reverse=True)
+        with jax.named_scope("chunk_cotangents"):
+            delta = _split_outputs(chunks, starts)[0]
+            ddelta = pt_dout + jnp.einsum("nbhik,nbhkv->nbhiv", k_write, dleaving)
+            dchunks = (
+                ddelta,
+                -jnp.einsum("nbhiv,nbhkv->nbhik", ddelta, starts),
+                jnp.einsum("nbhiv,nbhkv->nbhik", dout, starts),
+                jnp.einsum("nbhiv,nbhjv->nbhij", dout, delta),
+                jnp.einsum("nbhiv,nbhkv->nbhik", delta, dleaving),
+                jnp.sum(starts * dleaving, axis=(-2, -1)),
+            )
+        return dchunks, dstate
+
+    scan.defvjp(scan_fwd, scan_bwd)
+    return scan
+
+
 IMPLS = GDN_IMPLS
 
 
@@ -366,15 +473,19 @@ def chunk_gated_delta_rule(
     segment_ids: jax.Array | None = None,
     use_qk_l2norm: bool = True,
     impl: str = "jax",
+    kernel: dict | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over a sequence, chunk by chunk (see the module docstring).
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None
     (zeros); segment_ids [B, T] ints or None. Any T: padded inside to a multiple of chunk_size.
     impl: "jax" (plain JAX, a sequential scan over the chunks: the reference and the CPU path),
-    "jax_assoc" (plain JAX, the chunks composed in log depth: `_chunk_scan_assoc`) or "pallas"
-    (the chunk recurrence as Pallas kernels, `jaxpi.kernels.pallas`: compiled on GPU/TPU,
-    interpreted on CPU).
+    "jax_assoc" (plain JAX, the chunks composed in log depth: `_chunk_scan_assoc`), "jax_split"
+    (plain JAX, a state-only recurrence and chunk-parallel products with an explicit backward:
+    `split_chunk_scan`), "pallas" (the chunk recurrence as Pallas kernels, `jaxpi.kernels.pallas`:
+    compiled on GPU/TPU, interpreted on CPU) or "pallas_split" (`split_chunk_scan` with its two
+    recurrences as a Pallas kernel). `kernel`: the Pallas paths' settings (`KernelOptions` fields
+    but interpret, e.g. {"block_v": 16}; `jaxpi.config.parse_gdn_kernel`), refused for the others.
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
     kwargs = dict(
@@ -383,13 +494,19 @@ def chunk_gated_delta_rule(
         segment_ids=segment_ids,
         use_qk_l2norm=use_qk_l2norm,
     )
+    if kernel and not impl.startswith("pallas"):
+        raise ValueError(f"kernel settings {kernel} apply only to impl pallas / pallas_split, not {impl!r}")
     if impl == "jax":
         return chunked_gated_delta_rule_with(_chunk_scan, q, k, v, g, beta, **kwargs)
     if impl == "jax_assoc":
         return chunked_gated_delta_rule_with(_chunk_scan_assoc, q, k, v, g, beta, **kwargs)
-    if impl == "pallas":
+    if impl == "jax_split":
+        return chunked_gated_delta_rule_with(split_chunk_scan(), q, k, v, g, beta, **kwargs)
+    if impl in ("pallas", "pallas_split"):
         # imported here: the Pallas module builds on this one
         from jaxpi.kernels.pallas import pallas_chunk_gated_delta_rule
 
-        return pallas_chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+        return pallas_chunk_gated_delta_rule(
+            q, k, v, g, beta, split=impl == "pallas_split", **kwargs, **(kernel or {})
+        )
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

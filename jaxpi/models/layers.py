@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpi.config import FULL, QwenConfig
+from jaxpi.config import FULL, QwenConfig, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
@@ -290,6 +290,7 @@ class GatedDeltaNet(nnx.Module):
                     beta,
                     chunk_size=cfg.gdn_chunk_size,
                     impl=cfg.gdn_impl,
+                    kernel=parse_gdn_kernel(cfg.gdn_kernel),
                     initial_state=state,
                     segment_ids=segment_ids,
                 )

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpi.config import GDN_IMPLS, REMAT_POLICIES
+from jaxpi.config import GDN_IMPLS, REMAT_POLICIES, parse_gdn_kernel
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
@@ -53,7 +53,9 @@ class ModelConfig:
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
     remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp
     tiny_layers: int = 4  # depth of the "tiny-random" base
-    gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, "jax" | "jax_assoc" | "pallas"
+    gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, one of GDN_IMPLS
+    # QwenConfig.gdn_kernel: the Pallas paths' kernel settings, e.g. "block_v=16,num_stages=2"
+    gdn_kernel: str = ""
     norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
     # QwenConfig.loss_chunk: the loss runs the LM head this many positions at a time, so the
     # [B, T, V] logits never exist whole (0 = at once; e.g. 1024 for a 248k vocabulary at long T)
@@ -70,6 +72,10 @@ class ModelConfig:
             raise ValueError(f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
         if self.gdn_impl not in GDN_IMPLS:
             raise ValueError(f"model.gdn_impl must be one of {GDN_IMPLS}, got {self.gdn_impl!r}")
+        if parse_gdn_kernel(self.gdn_kernel) and not self.gdn_impl.startswith("pallas"):
+            raise ValueError(
+                f"model.gdn_kernel {self.gdn_kernel!r} applies only to gdn_impl pallas / pallas_split"
+            )
         if self.norm_impl not in ("jax", "pallas"):
             raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
         if self.loss_chunk < 0:
@@ -80,6 +86,7 @@ class ModelConfig:
         return {
             "remat": self.remat,
             "gdn_impl": self.gdn_impl,
+            "gdn_kernel": self.gdn_kernel,
             "norm_impl": self.norm_impl,
             "loss_chunk": self.loss_chunk,
         }

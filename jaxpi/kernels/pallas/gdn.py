@@ -57,10 +57,10 @@ from collections.abc import Callable
 import jax
 from jax.experimental.pallas import triton as plt
 
-from jaxpi.kernels.gated_delta import chunked_gated_delta_rule_with
+from jaxpi.kernels.gated_delta import Recurrence, chunked_gated_delta_rule_with, split_chunk_scan
 from jaxpi.kernels.pallas.dispatch import per_platform
-from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward
-from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward
+from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward, gpu_recurrence
+from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward, tpu_recurrence
 from jaxpi.kernels.pallas.sharded import sharded_gated_delta_rule
 
 # "default": whatever `jax.default_matmul_precision` is at trace time (lax's DEFAULT unless set),
@@ -146,6 +146,30 @@ def _backward(chunks, states, dout, dfinal, opts: KernelOptions):
     return per_platform(build, opts.interpret, *chunks, states, dout, dfinal)
 
 
+def pallas_recurrence(opts: KernelOptions) -> Recurrence:
+    """`gated_delta.linear_recurrence` as a Pallas kernel (both passes of `split_chunk_scan`)."""
+    precision = _PRECISIONS[opts.precision]
+    params = plt.CompilerParams(num_warps=opts.num_warps, num_stages=opts.num_stages)
+
+    def recurrence(a, b, u, d, r, x0, *, reverse: bool):
+        def build(mode: str) -> Callable:
+            def run(*args):
+                a, b, u, d, *r, x0 = args
+                rest = (r[0] if r else None, x0)
+                if mode.startswith("mosaic"):
+                    kw = dict(precision=precision, interpret=mode == "mosaic_interpret")
+                    return tpu_recurrence(a, b, u, d, *rest, reverse=reverse, **kw)
+                kw = dict(block_v=opts.resolve_block_v(x0.shape[-1]), precision=precision, params=params)
+                return gpu_recurrence(a, b, u, d, *rest, reverse=reverse, interpret=mode == "interpret", **kw)
+
+            return run
+
+        args = (a, b, u, d) + (() if r is None else (r,)) + (x0,)
+        return per_platform(build, opts.interpret, *args)
+
+    return recurrence
+
+
 # ---- custom_vjp ----------------------------------------------------------------------------------
 
 
@@ -186,25 +210,33 @@ def pallas_chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     block_v: int | None = None,
     interpret: bool | str | None = None,
-    precision: str = "default",
-    num_warps: int = 4,
-    num_stages: int = 1,
+    precision: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`chunk_gated_delta_rule` with the chunk recurrence in Pallas; same arguments and results.
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None;
-    segment_ids [B, T] or None. The other keywords: see `KernelOptions`. Traced under a mesh (an
+    segment_ids [B, T] or None. `split`: False runs the whole chunk scan in the kernels (this
+    module's docstring); True runs `gated_delta.split_chunk_scan` with its two state recurrences as
+    the kernel `pallas_recurrence` (2 matmuls per sequential step, the rest chunk-parallel in XLA).
+    The other keywords: see `KernelOptions` (None: its default). Traced under a mesh (an
     activation resolver installed), the whole rule runs per (batch, value head) shard in
     `jax.shard_map` (`jaxpi.kernels.pallas.sharded`).
     Returns (output [B, T, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32).
     """
-    opts = KernelOptions(
-        block_v=block_v, interpret=interpret, precision=precision, num_warps=num_warps, num_stages=num_stages
-    )
+    given = dict(block_v=block_v, precision=precision, num_warps=num_warps, num_stages=num_stages)
+    opts = KernelOptions(interpret=interpret, **{k: x for k, x in given.items() if x is not None})
+
+    def scan(chunks: tuple[jax.Array, ...], state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if split:
+            return split_chunk_scan(pallas_recurrence(opts))(chunks, state)
+        return pallas_chunk_scan(chunks, state, opts)
 
     def rule(q, k, v, g, beta, initial_state, segment_ids):
         return chunked_gated_delta_rule_with(
-            lambda chunks, state: pallas_chunk_scan(chunks, state, opts),
+            scan,
             q,
             k,
             v,

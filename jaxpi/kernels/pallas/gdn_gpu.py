@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxpi.kernels.pallas.gdn_chunk import backward_chunk, forward_chunk
+from jaxpi.kernels.pallas.gdn_chunk import backward_chunk, forward_chunk, mm
 
 f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
 
@@ -90,9 +90,10 @@ def _decay_rows(d: jax.Array, dk: int) -> jax.Array:
     return jnp.broadcast_to(d[..., None], (*d.shape, dk))
 
 
-def _call(kernel: Callable, grid, in_specs, out_specs, out_shape, *, precision, interpret, params):
+def _call(kernel: Callable, grid, in_specs, out_specs, out_shape, *, precision, interpret, params, **static):
+    """The kernel as a `pallas_call` named after it; `static`: its other keyword arguments."""
     return pl.pallas_call(
-        functools.partial(kernel, precision=precision),
+        functools.partial(kernel, precision=precision, **static),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -171,3 +172,60 @@ def gpu_backward(
     # partial sums over the Dv blocks; dd also over the key rows (one decay per chunk)
     dd = jnp.moveaxis(dd.sum(axis=(0, -1)), -1, 0)  # [B, H, N] -> [N, B, H]
     return (du, *(x.sum(axis=0) for x in (dw, dqr, dp, dkw)), dd, ds0)
+
+
+# ---- the split scan's recurrence (`gated_delta.split_chunk_scan`) -------------------------------
+
+
+def _recurrence_kernel(a_ref, b_ref, u_ref, d_ref, *rest, reverse, precision):
+    """a/b [N,C,K], u [N,C,bv], d [N,K], (r [N,K,bv]), x0 [K,bv] -> xs [N,K,bv], final [K,bv].
+
+    Per step: xs[n] = X; X ← d_n ⊙_row X + B_nᵀ (U_n − A_n X) (+ R_n); the steps in reverse if asked.
+    """
+    *r_ref, x0_ref, xs_ref, final_ref = rest
+    num_chunks = u_ref.shape[0]
+
+    def step(i: jax.Array, x: jax.Array) -> jax.Array:
+        n = num_chunks - 1 - i if reverse else i
+        xs_ref[n] = x
+        y = u_ref[n] - mm(a_ref[n], x, "nn", precision)
+        x = d_ref[n][:, None] * x + mm(b_ref[n], y, "tn", precision)
+        return x + r_ref[0][n] if r_ref else x
+
+    final_ref[...] = jax.lax.fori_loop(0, num_chunks, step, x0_ref[...])
+
+
+def gpu_recurrence(
+    a: jax.Array,
+    b: jax.Array,
+    u: jax.Array,
+    d: jax.Array,
+    r: jax.Array | None,
+    x0: jax.Array,
+    *,
+    reverse: bool,
+    block_v: int,
+    precision: jax.lax.Precision,
+    interpret: bool,
+    params: plt.CompilerParams,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta.linear_recurrence` as one program per (batch, head, block of Dv columns)."""
+    n, bsz, h, _, dv = u.shape
+    dk = a.shape[-1]
+    state = functools.partial(_spec, block_v=block_v, v_cols=True)
+    in_specs = [
+        _spec(a.shape, block_v, v_cols=False),
+        _spec(b.shape, block_v, v_cols=False),
+        state(u.shape),
+        _decay_spec(n, dk),
+        *([] if r is None else [state(r.shape)]),
+        state(x0.shape),
+    ]
+    out_shape = [f32((n, bsz, h, dk, dv)), f32(x0.shape)]
+    call = _call(
+        _recurrence_kernel, (bsz, h, dv // block_v), in_specs, [state(s.shape) for s in out_shape], out_shape,
+        precision=precision, interpret=interpret, params=params, reverse=reverse,
+    )  # fmt: skip
+    args = (a, b, u, _decay_rows(d, dk), *([] if r is None else [r]), x0)
+    xs, final = call(*args)
+    return xs, final

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpi.kernels.pallas.gdn_chunk import backward_chunk, forward_chunk
+from jaxpi.kernels.pallas.gdn_chunk import backward_chunk, forward_chunk, mm
 
 f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
 # batch and head programs are independent; the chunk steps carry the state
@@ -167,3 +167,65 @@ def tpu_backward(
     d_col = jnp.broadcast_to(d[..., None, None], (n, b, h, dk, 1))
     *grads, dd, ds0 = call(u, w, qr, p, kw, d_col, states, dout, dfinal)
     return (*grads, dd.sum(axis=(-2, -1)), ds0)  # dd: [N, B, H, K, 1] -> [N, B, H]
+
+
+# ---- the split scan's recurrence (`gated_delta.split_chunk_scan`) -------------------------------
+
+
+def _recurrence_kernel(a_ref, b_ref, u_ref, d_ref, *rest, precision):
+    """One step: a/b [C,K], u [C,V], d [K,1], (r [K,V]); x0/final [K,V]; xs [K,V]; scratch X [K,V].
+
+    xs = X; X ← d ⊙_row X + Bᵀ (U − A X) (+ R). The index maps give the chunk order.
+    """
+    *r_ref, x0_ref, xs_ref, final_ref, x_scr = rest
+    i = pl.program_id(2)
+
+    @pl.when(i == 0)
+    def _() -> None:
+        x_scr[...] = x0_ref[...]
+
+    x = x_scr[...]
+    xs_ref[...] = x
+    y = u_ref[...] - mm(a_ref[...], x, "nn", precision)
+    x = d_ref[...] * x + mm(b_ref[...], y, "tn", precision)
+    if r_ref:
+        x = x + r_ref[0][...]
+    x_scr[...] = x
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _() -> None:
+        final_ref[...] = x
+
+
+def tpu_recurrence(
+    a: jax.Array,
+    b: jax.Array,
+    u: jax.Array,
+    d: jax.Array,
+    r: jax.Array | None,
+    x0: jax.Array,
+    *,
+    reverse: bool,
+    precision: jax.lax.Precision,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta.linear_recurrence` with one chunk per grid step and the carry in VMEM."""
+    n, bsz, h, c, dv = u.shape
+    dk = a.shape[-1]
+    spec = functools.partial(_chunk_spec, num_chunks=n, reverse=reverse)
+    in_specs = [spec(c, dk), spec(c, dk), spec(c, dv), spec(dk, 1)]
+    in_specs += ([] if r is None else [spec(dk, dv)]) + [_state_spec(dk, dv)]
+    call = pl.pallas_call(
+        functools.partial(_recurrence_kernel, precision=precision),
+        grid=(bsz, h, n),
+        in_specs=in_specs,
+        out_specs=[spec(dk, dv), _state_spec(dk, dv)],
+        out_shape=[f32((n, bsz, h, dk, dv)), f32(x0.shape)],
+        scratch_shapes=[pltpu.VMEM((dk, dv), jnp.float32)],
+        compiler_params=_SEMANTICS,
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="recurrence_kernel",
+    )
+    d_col = jnp.broadcast_to(d[..., None, None], (n, bsz, h, dk, 1))
+    xs, final = call(a, b, u, d_col, *([] if r is None else [r]), x0)
+    return xs, final
