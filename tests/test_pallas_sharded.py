@@ -290,10 +290,12 @@ def manual_regions(text: str) -> tuple[list[str], list[str]]:
 
 
 @needs_8
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("platform", sorted(TARGETS))
-def test_exported_kernels_sit_in_manual_regions(platform: str):
+def test_exported_kernels_sit_in_manual_regions(platform: str, split: bool):
     """Forward + backward of the rule and the gated norm, exported for the platform under fsdp_tp on
-    fsdp=4,tensor=2 at the 27B's DeltaNet head shapes (Dk = Dv = 128, chunk 64, bf16 inputs)."""
+    fsdp=4,tensor=2 at the 27B's DeltaNet head shapes (Dk = Dv = 128, chunk 64, bf16 inputs); the
+    rule's fused chunk-scan kernels, or the split scan's recurrence kernel (once per direction)."""
     mesh, strategy = make_mesh("fsdp=4,tensor=2"), get_strategy("fsdp_tp")
     b, t, hk, hv, d = 4, 128, 2, 4, 128
     spec = jax.ShapeDtypeStruct
@@ -304,7 +306,7 @@ def test_exported_kernels_sit_in_manual_regions(platform: str):
     ]
 
     def loss(q, k, v, g, beta, z, w):
-        o, state = pallas_chunk_gated_delta_rule(q, k, v, g, beta)
+        o, state = pallas_chunk_gated_delta_rule(q, k, v, g, beta, split=split)
         return jnp.sum(pallas_gated_rms_norm(o, z, w).astype(jnp.float32)) + jnp.sum(state)
 
     step = with_activation_constraints(jax.value_and_grad(loss, argnums=tuple(range(7))), strategy, mesh)
