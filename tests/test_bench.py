@@ -280,13 +280,15 @@ def test_profile_summary_sums_op_time_by_model_part():
 
 
 def test_profile_device_time_by_op_kind_and_busy_time():
-    from jaxpi.bench.profile import busy_seconds, seconds_by_op_kind
+    from jaxpi.bench.profile import busy_seconds, matmul_events, seconds_by_op_kind
 
     hlo = """
   %custom-call.7 = (bf16[8,8]{1,0}, s8[64]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
   %gemm_fusion_dot.3 = f32[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%triton_gemm
   %loop_add_fusion.2 = f32[8]{0} fusion(%c), kind=kLoop, calls=%add
   %copy.4 = f32[8]{0} copy(%c)
+  ROOT %dot.6 = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ynn_fusion = f32[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%f, metadata={op_name="jit(f)/dot_general"}
 """
     events = [  # a kernel names its op (fusions) or carries it in args (library kernels)
         {"name": "nvjet_sm90_tst_256x128", "ts": 0.0, "dur": 4.0, "args": {"hlo_op": "custom-call.7"}},
@@ -295,7 +297,12 @@ def test_profile_device_time_by_op_kind_and_busy_time():
         {"name": "copy.4", "ts": 20.0, "dur": 1.0},
         {"name": "MemcpyD2D", "ts": 30.0, "dur": 2.0, "args": {"hlo_op": "loop_dynamic_slice_fusion.9"}},
         {"name": "x_fusion_5", "ts": 40.0, "dur": 3.0, "args": {"hlo_op": "x_fusion.5"}},
+        {"name": "dot.6", "ts": 50.0, "dur": 5.0},
+        {"name": "ynn_fusion", "ts": 60.0, "dur": 1.0},
     ]
+    # the matmuls, whichever way they ran: a cuBLAS call, a Triton gemm fusion, a dot, a CPU
+    # library fusion around a dot
+    assert [e["ts"] for e in matmul_events(events, hlo)] == [0.0, 2.0, 50.0, 60.0]
     kinds = seconds_by_op_kind(events, hlo, steps=1)
     assert kinds == pytest.approx(
         {
@@ -305,10 +312,11 @@ def test_profile_device_time_by_op_kind_and_busy_time():
             "other": 1e-6,
             "memcpy/memset": 2e-6,
             "unknown op": 3e-6,
+            "dot": 6e-6,
         }
     )
-    # [0, 6) overlapping, then 1 + 1 + 2 + 3 apart: 13 µs
-    assert busy_seconds(events) == pytest.approx(13e-6)
+    # [0, 6) overlapping, then 1 + 1 + 2 + 3 + 5 + 1 apart: 19 µs
+    assert busy_seconds(events) == pytest.approx(19e-6)
     assert busy_seconds([]) == 0.0
 
 
@@ -414,16 +422,23 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     cmd = [
         sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_27b.py"),
         "--tiny", "--seq", "64", "--steps", "1", "--matmul-n", "128", "--remat", "mlp", "--no-torch",
-        "--gdn-variants", "jax", "jax_split2", "--profile", "--out", str(out),
+        "--gdn-variants", "jax", "jax_split2", "pallas_split/tf32/8/4/1", "--profile", "--out", str(out),
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     res = json.loads(out.read_text())
     assert "errors" not in res, res.get("errors")
     step = res["step_seq64"]
     assert step["median_s"] > 0 and step["mfu"] > 0 and step["losses"][0] > 0
-    assert {"jax_fwd", "jax_split2_fwd_bwd"} <= set(res["gdn"])
+    assert {"jax_fwd", "jax_split2_fwd_bwd", "pallas_split/tf32/8/4/1_fwd_bwd"} <= set(res["gdn"])
     assert step["profile"]["op_seconds_per_step"] > 0 and res["matmul"]["peak_tflops"] > 0
     assert (tmp_path / "step_seq64_hlo.txt.gz").exists()
+    # both probes ran: the chained products on the wall clock, single products by kernel time
+    # (the squares and the step's MLP shape), and the peak is the larger
+    kernel = res["matmul"]["kernel_timed"]
+    assert set(kernel) == {"128x128x128", "64x64x128"} and all(v["median_tflops"] > 0 for v in kernel.values())
+    rates = [res["matmul"]["chained_peak_tflops"], *(v["median_tflops"] for v in kernel.values())]
+    assert res["matmul"]["peak_tflops"] == max(rates)
+    assert step["mfu_vs_chained"] >= step["mfu"]
 
 
 def test_bench_gdn_times_the_log_depth_scan_beside_the_plain_one(capsys):
@@ -437,3 +452,15 @@ def test_bench_gdn_times_the_log_depth_scan_beside_the_plain_one(capsys):
         expected = g["plain_jax"][f"{part}_s"]["median"] / g["jaxpi"][f"{part}_s"]["median"]
         assert g[f"speedup_jax_assoc_{part}"] == pytest.approx(expected)
     assert g["max_abs_diff_jax_assoc_vs_plain"] < 1e-5
+
+
+def test_kernel_timed_matmul_rate_reads_the_matmul_kernels_of_a_trace():
+    """The peak probe that times a product by its kernels under the profiler: on this CPU the
+    product runs as one XLA library fusion per call, and its rate is that kernel's time alone."""
+    from jaxpi.bench.peak import kernel_matmul_rate
+
+    res = kernel_matmul_rate(96, 64, 128, dtype="float32", reps=5, warmup_s=0.1)
+    assert res["kernels_per_call"] >= 1 and res["kernel_names"]
+    assert 0 < res["median_tflops"] <= res["max_tflops"]
+    # the median call's kernel time gives the median rate (odd reps: both are the middle call)
+    assert res["median_kernel_s"] == pytest.approx(2 * 96 * 64 * 128 / (res["median_tflops"] * 1e12))

@@ -3,16 +3,25 @@
 A square `jnp.dot` of side n in the step's dtype, 2·n³ FLOPs per call, timed like everything else
 (median over repeats after warm-up). What a good program could reach on this machine today, in
 this run (other load on a shared machine lowers it as much as the step's own figures).
+`kernel_matmul_rate` times a product by its kernels alone, under the profiler: on a GPU the
+wall-clock figure of long runs of products can sit well below what the same device's matmuls
+reach inside a step (tools/bench_gpu_27b.py takes the larger).
 """
 
 from __future__ import annotations
 
+import shutil
+import statistics
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxpi.bench.profile import matmul_events, trace_events
 from jaxpi.bench.timing import rate, timed
 
 
@@ -41,3 +50,44 @@ def peak_probe(n: int, dtype: str, *, calls: int = 3) -> Callable[[], float]:
         return rate(2.0 * n**3, times)["median"]
 
     return probe
+
+
+def kernel_matmul_rate(
+    m: int, k: int, n: int, *, dtype: str = "bfloat16", reps: int = 10, warmup_s: float = 2.0
+) -> dict[str, Any]:
+    """[m, k] @ [k, n] timed by its kernels' device time under the profiler (`jax.profiler`): the
+    matmul's own rate, without dispatch or host synchronisation, after ≥ `warmup_s` of calls (the
+    clocks ramp up from idle). On a GPU the kernels are CUPTI's; on the CPU XLA's thunks.
+    Returns the median and best rate over `reps` calls (FLOP/s / 1e12) and the kernels' names."""
+    a = jax.random.normal(jax.random.key(2), (m, k), jnp.dtype(dtype))
+    b = (jax.random.normal(jax.random.key(3), (k, n), jnp.float32) * k**-0.5).astype(jnp.dtype(dtype))
+    f = jax.jit(lambda a, b: a @ b)
+    compiled = f.lower(a, b).compile()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
+        jax.block_until_ready(compiled(a, b))
+    trace_dir = Path(tempfile.mkdtemp(prefix="jaxpi-matmul-trace-"))
+    try:
+        with jax.profiler.trace(str(trace_dir)):
+            for _ in range(reps):
+                jax.block_until_ready(compiled(a, b))
+        events = matmul_events(trace_events(trace_dir), compiled.as_text())
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    # one call may run several kernels (a split-K reduction, say): time each call by the matmul
+    # kernels it ran, taking the calls as the `reps` equal groups of events in time order
+    events.sort(key=lambda e: e["ts"])
+    if not events or len(events) % reps:
+        raise RuntimeError(f"{len(events)} matmul kernel events for {reps} calls")
+    per_call = len(events) // reps
+    seconds = [
+        sum(e["dur"] for e in events[i : i + per_call]) * 1e-6 for i in range(0, len(events), per_call)
+    ]
+    rates = [2.0 * m * k * n / x / 1e12 for x in seconds]
+    return {
+        "median_kernel_s": statistics.median(seconds),
+        "median_tflops": statistics.median(rates),
+        "max_tflops": max(rates),
+        "kernels_per_call": per_call,
+        "kernel_names": sorted({e["name"] for e in events}),
+    }

@@ -104,12 +104,29 @@ def hlo_op_of(event: dict[str, Any], names: dict[str, str]) -> str | None:
 _INSTR_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
 
 
+# the kinds `_op_kind` gives a matmul: a cuBLAS call or Triton gemm fusion (GPU), a dot or a
+# library fusion around one (CPU, TPU)
+MATMUL_KINDS = ("cublas matmul", "triton matmul fusion", "dot")
+
+
 def _op_kind(name: str, rest: str) -> str:
     if "__cublas" in rest:
         return "cublas matmul"
     if "kind=kCustom" in rest and "gemm" in name:
         return "triton matmul fusion"
+    # a dot instruction, or (XLA:CPU) a custom fusion around one, e.g. "__ynn_fusion"
+    if re.search(r"\bdot\(", rest) or (
+        "kind=kCustom" in rest and re.search(r'op_name="[^"]*dot_general"', rest)
+    ):
+        return "dot"
     return "fusion" if " fusion(" in rest else "other"
+
+
+def matmul_events(events: list[dict[str, Any]], hlo_text: str) -> list[dict[str, Any]]:
+    """The events that ran one of the program's matmuls (`MATMUL_KINDS`), e.g. to time a matmul
+    by its kernels alone, without the host's dispatch and synchronisation."""
+    kind_of = {m.group(1): _op_kind(m.group(1), m.group(2)) for m in _INSTR_LINE.finditer(hlo_text)}
+    return [e for e in events if kind_of.get(hlo_op_of(e, kind_of) or "") in MATMUL_KINDS]
 
 
 def seconds_by_op_kind(events: list[dict[str, Any]], hlo_text: str, steps: int = 1) -> dict[str, float]:
