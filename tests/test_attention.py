@@ -313,6 +313,14 @@ def test_blocked_causal_attention_equals_the_dense_core(block):
         for got, want in zip(*out_and_grads(q, k, v, seg, pos), strict=True):  # output, dq, dk, dv
             assert rel_err(got, want) <= 1e-6
 
+    # the query blocks' gradients are concatenated, not padded to full length and summed: the
+    # backward pads only the key and value prefixes of the blocks before the last (5 blocks of 8)
+    grads = lambda q, k, v: jax.grad(  # noqa: E731
+        lambda q, k, v: jnp.sum(causal_attention(q, k, v, block=block) * cot), argnums=(0, 1, 2)
+    )(q, k, v)
+    eqns = jax.make_jaxpr(grads)(q, k, v).jaxpr.eqns
+    assert sum(e.primitive.name == "pad" for e in eqns) == 2 * (-(-t // block) - 1)
+
 
 # ---- Gated DeltaNet --------------------------------------------------------------------------------
 

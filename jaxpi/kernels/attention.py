@@ -99,12 +99,17 @@ def causal_attention(
     hkv = k.shape[2]
     c = min(block or ATTN_BLOCK, t)
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]: query heads grouped by their kv head
+    # the query blocks by `lax.split`, whose transpose is one concatenate of the blocks' gradients;
+    # slices would transpose to a zero-padded full-length array per block, all summed (on an H200
+    # at T = 8192 that sum of 32 padded arrays was a 2.7 ms fusion per attention layer)
+    starts = list(range(0, t, c))
+    q_blocks = jax.lax.split(qg, [min(lo + c, t) - lo for lo in starts], axis=1)
     outs = []
-    for lo in range(0, t, c):
+    for lo, q_block in zip(starts, q_blocks, strict=True):
         hi = min(lo + c, t)
         kb, vb = k[:, :hi], v[:, :hi]  # the keys this block can see
         with jax.named_scope("scores"):
-            s = jnp.einsum("btkgd,bukd->bkgtu", qg[:, lo:hi], kb, preferred_element_type=jnp.float32)
+            s = jnp.einsum("btkgd,bukd->bkgtu", q_block, kb, preferred_element_type=jnp.float32)
             s = s * (d**-0.5)  # [B, Hkv, G, hi - lo, hi]
         with jax.named_scope("mask"):
             # A numpy constant: token lo + i sees keys ≤ lo + i.
