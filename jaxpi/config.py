@@ -84,6 +84,9 @@ class QwenConfig:
     # the Pallas paths' kernel settings, `parse_gdn_kernel`'s "block_v=16,num_stages=2" ("": defaults)
     gdn_kernel: str = ""
     norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
+    # causal self-attention (training, prefill without a cache): "jax" (blocked, plain JAX) or
+    # "pallas" (flash attention, jaxpi.kernels.pallas.attention; GPU kernel, plain JAX on TPU)
+    attn_impl: str = "jax"
     # Losses apply the LM head this many positions at a time (0: all at once), see jaxpi.kernels.lm_head
     loss_chunk: int = 0
     remat: str = "none"
@@ -134,6 +137,8 @@ class QwenConfig:
             errors.append(str(e))
         if self.norm_impl not in ("jax", "pallas"):
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
+        if self.attn_impl not in ("jax", "pallas"):
+            errors.append(f"attn_impl {self.attn_impl!r} is not one of ('jax', 'pallas')")
         if self.loss_chunk < 0:
             errors.append(f"loss_chunk {self.loss_chunk} must be >= 0 (0: the LM head at once)")
         if errors:

@@ -140,13 +140,14 @@ def test_train_step_vs_torch(capsys, reports):
 
 @pytest.mark.slow  # interpreted Pallas; the kernels' own tests (tests/test_pallas_*.py) run in make test
 def test_train_step_on_the_pallas_kernels(capsys, reports):
-    """`--kernels pallas`: the same step on the Pallas gated delta rule and norms (interpreted on
-    CPU), the same checkpoint and tokens as the plain run above, so the same first loss (the
-    kernels' gradients are held to the plain path's in tests/test_pallas_*.py)."""
+    """`--kernels pallas`: the same step on the Pallas gated delta rule, norms and flash attention
+    (interpreted on CPU), the same checkpoint and tokens as the plain run above, so the same first
+    loss (the kernels' gradients are held to the plain path's in tests/test_pallas_*.py)."""
     rep = _run(
         capsys, "train-step", *COMMON[:4], "--repeats", "1", "--warmup", "1", "--json", "--kernels", "pallas"
     )
-    assert rep["config"]["model"]["gdn_impl"] == rep["config"]["model"]["norm_impl"] == "pallas"
+    m = rep["config"]["model"]
+    assert m["gdn_impl"] == m["norm_impl"] == m["attn_impl"] == "pallas"
     assert reports["train-step"]["config"]["model"]["gdn_impl"] == "jax"
     plain = reports["train-step"]["results"]["train_step"]["jaxpi"]
     got = rep["results"]["train_step"]["jaxpi"]
@@ -435,7 +436,9 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     # both probes ran: the chained products on the wall clock, single products by kernel time
     # (the squares and the step's MLP shape), and the peak is the larger
     kernel = res["matmul"]["kernel_timed"]
-    assert set(kernel) == {"128x128x128", "64x64x128"} and all(v["median_tflops"] > 0 for v in kernel.values())
+    assert set(kernel) == {"128x128x128", "64x64x128"} and all(
+        v["median_tflops"] > 0 for v in kernel.values()
+    )
     rates = [res["matmul"]["chained_peak_tflops"], *(v["median_tflops"] for v in kernel.values())]
     assert res["matmul"]["peak_tflops"] == max(rates)
     assert step["mfu_vs_chained"] >= step["mfu"]

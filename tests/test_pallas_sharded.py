@@ -1,7 +1,7 @@
 """The Pallas kernels under a mesh: each kernel call runs in `jax.shard_map` (jaxpi/kernels/pallas/sharded.py).
 
 On 8 virtual CPU devices (tests/conftest.py) the kernels run in Pallas' interpreter. Checked: the
-sharded LoRA gradient step with `gdn_impl=pallas` + `norm_impl=pallas` gives the loss and adapter
+sharded LoRA gradient step with `gdn_impl`, `norm_impl` and `attn_impl` = pallas gives the loss and adapter
 gradients of the plain-JAX kernels under the same strategy; every `pallas_call` in its program sits
 inside a shard_map with the batch and head axes split and the sequence whole, and the lowered
 StableHLO holds the manual computations; a strategy that splits the sequence, with fewer key heads
@@ -47,7 +47,7 @@ needs_8 = pytest.mark.skipif(
 )
 
 # One DeltaNet and one attention layer: every kernel the model calls (the gated delta rule, the
-# block norms, the per-head q/k norms, the gated output norm) in the smallest program.
+# block norms, the per-head q/k norms, the gated output norm, flash attention) in the smallest program.
 CFG = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))
 B, T = 4, 24  # T: one whole chunk of 16 and a padded one
 # The bars tests/test_pallas_gdn.py holds the model on the Pallas path to (fp32): the loss (here
@@ -89,7 +89,7 @@ def lora_model():
     """Graph definitions for both kernel paths, one random state (LoRA B non-zero) and a packed batch."""
 
     def split(impl: str):
-        cfg = CFG.replace(gdn_impl=impl, norm_impl=impl)
+        cfg = CFG.replace(gdn_impl=impl, norm_impl=impl, attn_impl=impl)
         build = lambda: add_lora(Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0)), LoraConfig(rank=4))  # noqa: E731
         return nnx.split(nnx.eval_shape(build))
 

@@ -36,6 +36,7 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
 
     python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
                                   [--loss-chunk 1024] [--gdn-chunk 64] [--gdn-kernel block_v=16,num_stages=2]
+                                  [--attn-impl pallas]
                                   [--profile] [--no-torch]
                                   [--gdn-variants jax jax_assoc jax_assoc@128 jax_unroll8]
 
@@ -370,6 +371,7 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float, pr
         "gdn_kernel": cfg.gdn_kernel,
         "gdn_chunk_size": cfg.gdn_chunk_size,
         "norm_impl": cfg.norm_impl,
+        "attn_impl": cfg.attn_impl,
         "loss_chunk": cfg.loss_chunk,
     }
     RESULTS[step_name(seq, cfg.gdn_impl)] = res
@@ -497,6 +499,12 @@ def main() -> int:
     )
     ap.add_argument("--gdn-chunk", type=int, default=64, help="the step's gdn_chunk_size")
     ap.add_argument(
+        "--attn-impl",
+        choices=["jax", "pallas"],
+        default="jax",
+        help="the step's attn_impl: the blocked plain-JAX causal attention or flash attention (Pallas/Triton)",
+    )
+    ap.add_argument(
         "--gdn-kernel",
         default="",
         help="the Pallas step paths' gdn_kernel, e.g. \"block_v=16,num_stages=2\" (default: the kernels' defaults)",
@@ -529,6 +537,7 @@ def main() -> int:
             gdn_impl=impl,
             gdn_kernel=args.gdn_kernel if pallas else "",
             norm_impl=norm,
+            attn_impl=args.attn_impl,
             loss_chunk=args.loss_chunk,
             gdn_chunk_size=args.gdn_chunk,
         )

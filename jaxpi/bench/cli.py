@@ -190,8 +190,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"vocab {m['vocab_size']}   seq {cfg['seq']} × batch {cfg['batch']}, {cfg['dtype']}, "
         f"LoRA rank {cfg['lora_rank']}   median (min–max) of {cfg['repeats']} after {cfg['warmup']} warm-up"
         + (
-            f"   kernels: gdn {m['gdn_impl']}, norms {m['norm_impl']}"
-            if "pallas" in (m.get("gdn_impl"), m.get("norm_impl"))
+            f"   kernels: gdn {m['gdn_impl']}, norms {m['norm_impl']}, attention {m.get('attn_impl', 'jax')}"
+            if "pallas" in (m.get("gdn_impl"), m.get("norm_impl"), m.get("attn_impl"))
             else ""
         ),
     ]
@@ -310,8 +310,8 @@ def _model_flags(p: argparse.ArgumentParser, *, depth_list: bool) -> None:
         "--kernels",
         choices=["jax", "pallas"],
         default=None,
-        help="the model's kernel path for the gated delta rule and the norms (default jax; "
-        "pallas is interpreted on CPU)",
+        help="the model's kernel path for the gated delta rule, the norms and the causal attention "
+        "(default jax; pallas is interpreted on CPU)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (figures are their median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (the first compiles)")

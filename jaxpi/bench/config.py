@@ -124,6 +124,7 @@ class BenchConfig:
                 "remat": m.remat,
                 "gdn_impl": m.gdn_impl,
                 "norm_impl": m.norm_impl,
+                "attn_impl": m.attn_impl,
             },
         }
 
@@ -144,7 +145,8 @@ def make_config(
     **fields: object,
 ) -> BenchConfig:
     """A preset with overrides (None = the preset's value). `kernels` sets the model's kernel path,
-    "jax" or "pallas", for both the gated delta rule and the norms (`gdn_impl`, `norm_impl`)."""
+    "jax" or "pallas", for the gated delta rule, the norms and the causal attention (`gdn_impl`,
+    `norm_impl`, `attn_impl`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown bench preset {preset!r}; choose one of {sorted(PRESETS)}")
     model, p_seq, p_batch, p_rank, p_peak = PRESETS[preset]
@@ -158,6 +160,7 @@ def make_config(
             "remat": remat,
             "gdn_impl": kernels,
             "norm_impl": kernels,
+            "attn_impl": kernels,
         }.items()
         if v is not None
     }

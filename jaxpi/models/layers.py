@@ -175,7 +175,13 @@ class GatedAttention(nnx.Module):
         if cache is None:
             # Positions increase within each segment here, so the blocked causal core (by index)
             # equals the positional mask of `attention` without computing the masked half.
-            o = causal_attention(q, k, v, segments=segment_ids)
+            if cfg.attn_impl == "pallas":
+                # imported here, as the other Pallas kernels: only traced when asked for
+                from jaxpi.kernels.pallas.attention import pallas_causal_attention
+
+                o = pallas_causal_attention(q, k, v, segments=segment_ids)
+            else:
+                o = causal_attention(q, k, v, segments=segment_ids)
             new_cache = None
         else:
             with jax.named_scope("cache_update"):

@@ -57,6 +57,7 @@ class ModelConfig:
     # QwenConfig.gdn_kernel: the Pallas paths' kernel settings, e.g. "block_v=16,num_stages=2"
     gdn_kernel: str = ""
     norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
+    attn_impl: str = "jax"  # QwenConfig.attn_impl: causal self-attention, "jax" | "pallas" (flash)
     # QwenConfig.loss_chunk: the loss runs the LM head this many positions at a time, so the
     # [B, T, V] logits never exist whole (0 = at once; e.g. 1024 for a 248k vocabulary at long T)
     loss_chunk: int = 0
@@ -78,6 +79,8 @@ class ModelConfig:
             )
         if self.norm_impl not in ("jax", "pallas"):
             raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
+        if self.attn_impl not in ("jax", "pallas"):
+            raise ValueError(f"model.attn_impl must be jax or pallas, got {self.attn_impl!r}")
         if self.loss_chunk < 0:
             raise ValueError(f"model.loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
 
@@ -88,6 +91,7 @@ class ModelConfig:
             "gdn_impl": self.gdn_impl,
             "gdn_kernel": self.gdn_kernel,
             "norm_impl": self.norm_impl,
+            "attn_impl": self.attn_impl,
             "loss_chunk": self.loss_chunk,
         }
 
