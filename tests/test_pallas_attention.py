@@ -18,7 +18,7 @@ import pytest
 from jaxpi.kernels.attention import causal_attention
 from jaxpi.kernels.pallas.attention import AttentionOptions, pallas_causal_attention
 
-# float32 both: measured ≤ 3e-7 on every tensor (the online softmax sums in another order)
+# float32 both: measured ≤ 3.2e-7 on every tensor (the online softmax sums in another order)
 TOL = 1e-5
 SMALL = AttentionOptions(block_q=16, block_k=16, block_backward=16)
 
