@@ -73,7 +73,11 @@ class ModelConfig:
             raise ValueError(f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
         if self.gdn_impl not in GDN_IMPLS:
             raise ValueError(f"model.gdn_impl must be one of {GDN_IMPLS}, got {self.gdn_impl!r}")
-        if parse_gdn_kernel(self.gdn_kernel) and not self.gdn_impl.startswith("pallas"):
+        try:
+            kernel = parse_gdn_kernel(self.gdn_kernel)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+        if kernel and not self.gdn_impl.startswith("pallas"):
             raise ValueError(
                 f"model.gdn_kernel {self.gdn_kernel!r} applies only to gdn_impl pallas / pallas_split"
             )
