@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--remat",
         choices=REMAT_POLICIES,
         default="full",
-        help="what each layer group saves for the backward (mlp: its MLP gate/up outputs)",
+        help="what each layer group saves for the backward (mlp: its MLP gate/up outputs; mlp_out: "
+        "those and each layer's output)",
     )
     pl.add_argument(
         "--loss-chunk", type=int, default=0, help="LM head this many positions at a time (0: all at once)"

@@ -16,7 +16,7 @@ from typing import Any
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp", "mlp_out")
 
 
 # `gdn_impl` values: see jaxpi.kernels.gated_delta.chunk_gated_delta_rule

@@ -331,6 +331,7 @@ class _LayerBytes:
     proj: int
     mlp_gate_up: int
     batched: int
+    out: int  # the layer's output [B, T, D] (the "mlp_out" policy's third name)
 
     def kept(self, remat: str) -> int:
         """Bytes the policy saves in the forward for this layer's backward (the rest is recomputed)."""
@@ -338,6 +339,7 @@ class _LayerBytes:
             "none": self.total,
             "full": 0,
             "mlp": self.mlp_gate_up,
+            "mlp_out": self.mlp_gate_up + self.out,
             "dots_no_batch": self.proj,
             "dots": self.proj + self.batched,
         }[remat]
@@ -401,8 +403,8 @@ def _layer_bytes(setup: _Setup, b: int) -> dict[str, _LayerBytes]:
     gdn_total = gdn_proj + (qk + vz + 2 * resid) * act + gdn_batched
 
     return {
-        FULL: _LayerBytes(attn_total + mlp_total, attn_proj + mlp_proj, gate_up, attn_batched),
-        LINEAR: _LayerBytes(gdn_total + mlp_total, gdn_proj + mlp_proj, gate_up, gdn_batched),
+        FULL: _LayerBytes(attn_total + mlp_total, attn_proj + mlp_proj, gate_up, attn_batched, resid * act),
+        LINEAR: _LayerBytes(gdn_total + mlp_total, gdn_proj + mlp_proj, gate_up, gdn_batched, resid * act),
     }
 
 
@@ -436,6 +438,7 @@ def _temp_terms(setup: _Setup, train_local: int) -> dict[str, int]:
       none          every intermediate of every layer; nothing recomputed;
       full          the residual stream at each unit boundary only;
       mlp           the boundaries + every layer's MLP gate and up outputs [B, T, F];
+      mlp_out       those + every layer's output [B, T, D];
       dots_no_batch the boundaries + every weight projection's output;
       dots          those + every batched dot: float32 attention scores of every query block
                     and the delta rule's chunk products. The dots policies are the roughest:

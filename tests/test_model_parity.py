@@ -25,6 +25,7 @@ bf16 (slow tests below; TINY, seq 64, batch 2, checkpoint seeds 0-5): jax-bf16 v
   bf16 parity can only catch gross errors.
 """
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -151,6 +152,35 @@ def test_remat_mlp_saves_the_mlp_projections_and_matches_none(tmp_path, capsys):
     # The widest intermediate a rematerialised layer would otherwise keep: [B, T, intermediate].
     wide = f"f32[2,24,{cfg.intermediate_size}]"
     assert sum(wide in line for line in saved.splitlines()) == 2, saved
+
+
+def test_remat_mlp_out_also_saves_the_layer_outputs(tmp_path, capsys):
+    """remat="mlp_out": "mlp"'s gate and up outputs plus each layer's output, so the layers of a
+    rematerialised group start from the saved output of the one before (with "mlp" the down
+    projections of all but a group's last layer are recomputed); loss and gradients as without."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxpi.train.step import next_token_loss
+
+    cfg = TINY.replace(num_hidden_layers=8)  # two groups of four layers: the scanned path
+    hf_dir = make_checkpoint(tmp_path / "remat_mlp_out", cfg, seed=13)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 24))
+    _, model = load_hf(hf_dir)
+    _, loss_n, grads_n = jax_reference(model, ids)
+    stream = {}  # saved residuals of the residual stream's shape, stacked over the two groups
+    for remat in ("mlp", "mlp_out"):
+        _, model = load_hf(hf_dir, config_overrides={"remat": remat})
+        _, loss_r, grads_r = jax_reference(model, ids)
+        assert abs(loss_r - loss_n) <= 1e-6 * abs(loss_n), remat
+        for path, g in grads_n.items():
+            assert np.linalg.norm(grads_r[path] - g) / np.linalg.norm(g) <= 1e-6, (remat, path)
+        graphdef, params = nnx.split(model)
+        loss = functools.partial(lambda gd, p: next_token_loss(nnx.merge(gd, p), jnp.asarray(ids)), graphdef)
+        print_saved_residuals(loss, params)
+        saved = capsys.readouterr().out.splitlines()
+        stream[remat] = sum(f"f32[2,2,24,{cfg.hidden_size}] output of scan" in line for line in saved)
+    # a group's first three layers' outputs (the fourth is the next group's input, kept by both)
+    assert stream["mlp_out"] - stream["mlp"] == 3, stream
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ import optax
 from flax import nnx
 
 from jaxpi.bench.peak import kernel_matmul_rate
-from jaxpi.config import GDN_IMPLS, QWEN3_5_27B, TINY, QwenConfig
+from jaxpi.config import GDN_IMPLS, QWEN3_5_27B, REMAT_POLICIES, TINY, QwenConfig
 from jaxpi.kernels.gated_delta import (
     _chunk_scan,
     chunk_gated_delta_rule,
@@ -480,7 +480,7 @@ def main() -> int:
     ap.add_argument("--fallback-seq", type=int, default=None, help="run this length if the first fails")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--remat", default="full")
+    ap.add_argument("--remat", choices=list(REMAT_POLICIES), default="full", help="the step's remat policy")
     ap.add_argument("--matmul-n", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run of this script)")
     ap.add_argument("--skip", nargs="*", default=[], help="stages to skip: matmul gdn step torch")

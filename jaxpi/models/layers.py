@@ -339,7 +339,9 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("mlp"):
             normed = rms_norm(h, self.post_norm[...], eps, impl=impl, axes=RESID_AXES)
             h = constrain(h + self.mlp(normed, dropout_key=dropout_key), act)
-        return h, cache
+        # named for the "mlp_out" remat policy: the next layer of a remat'd group starts from it
+        # instead of recomputing this layer's down projection; an identity otherwise
+        return checkpoint_name(h, "layer_out"), cache
 
 
 def init_layer_cache(cfg: QwenConfig, layer_type: str, batch: int, max_len: int, dtype: jnp.dtype) -> Cache:

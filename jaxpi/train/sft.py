@@ -51,7 +51,7 @@ class ModelConfig:
     # HF checkpoint directory, or "tiny-random" / "toy-random" (written into the run dir)
     base: str = TINY_RANDOM
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
-    remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp
+    remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp | mlp_out
     tiny_layers: int = 4  # depth of the "tiny-random" base
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, one of GDN_IMPLS
     # QwenConfig.gdn_kernel: the Pallas paths' kernel settings, e.g. "block_v=16,num_stages=2"
