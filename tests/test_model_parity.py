@@ -170,10 +170,11 @@ def test_remat_mlp_out_also_saves_the_layer_outputs(tmp_path, capsys):
     stream = {}  # saved residuals of the residual stream's shape, stacked over the two groups
     for remat in ("mlp", "mlp_out"):
         _, model = load_hf(hf_dir, config_overrides={"remat": remat})
-        _, loss_r, grads_r = jax_reference(model, ids)
-        assert abs(loss_r - loss_n) <= 1e-6 * abs(loss_n), remat
-        for path, g in grads_n.items():
-            assert np.linalg.norm(grads_r[path] - g) / np.linalg.norm(g) <= 1e-6, (remat, path)
+        if remat == "mlp_out":  # ("mlp"'s results: the test above)
+            _, loss_r, grads_r = jax_reference(model, ids)
+            assert abs(loss_r - loss_n) <= 1e-6 * abs(loss_n)
+            for path, g in grads_n.items():
+                assert np.linalg.norm(grads_r[path] - g) / np.linalg.norm(g) <= 1e-6, path
         graphdef, params = nnx.split(model)
         loss = functools.partial(lambda gd, p: next_token_loss(nnx.merge(gd, p), jnp.asarray(ids)), graphdef)
         print_saved_residuals(loss, params)
