@@ -105,8 +105,11 @@ def test_model_config_selects_flash_attention_end_to_end(tmp_path):
 
     with pytest.raises(ValueError, match="attn_impl"):
         ModelConfig(attn_impl="cudnn")
-    ckpt = make_checkpoint(tmp_path / "ckpt", TINY, seed=4)
-    ids = jnp.asarray(np.random.default_rng(1).integers(0, TINY.vocab_size, (1, 21)), jnp.int32)
+    from jaxpi.config import FULL, LINEAR
+
+    cfg = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+    ckpt = make_checkpoint(tmp_path / "ckpt", cfg, seed=4)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 21)), jnp.int32)
     seg = jnp.asarray([[0] * 9 + [1] * 12])
     results = {}
     for impl in ("jax", "pallas"):
