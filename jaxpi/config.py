@@ -24,6 +24,35 @@ GDN_IMPLS = ("jax", "jax_assoc", "jax_split", "pallas", "pallas_split")
 # `gdn_kernel` knobs of the Pallas gated delta rule (jaxpi.kernels.pallas.KernelOptions), by type
 GDN_KERNEL_KNOBS = {"block_v": int, "num_warps": int, "num_stages": int, "precision": str}
 GDN_KERNEL_PRECISIONS = ("default", "tf32", "highest")
+# `attn_kernel` knobs of the flash attention (jaxpi.kernels.pallas.attention.AttentionOptions)
+ATTN_KERNEL_KNOBS = {
+    "block_q": int,
+    "block_k": int,
+    "block_backward": int,
+    "num_warps": int,
+    "num_stages": int,
+}
+
+
+def _parse_kernel(field: str, spec: str, knobs: dict[str, type]) -> dict[str, int | str]:
+    """ "name=value,..." -> {name: value}: names from `knobs`, int values positive, str values one
+    of GDN_KERNEL_PRECISIONS (the one string knob); errors name the field and the bad part."""
+    out: dict[str, int | str] = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or name not in knobs:
+            raise ValueError(f"{field} {spec!r}: {part!r} is not NAME=VALUE with NAME in {tuple(knobs)}")
+        if knobs[name] is int:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{field} {spec!r}: {name} must be a positive integer, got {value!r}")
+            out[name] = int(value)
+        elif value not in GDN_KERNEL_PRECISIONS:
+            raise ValueError(
+                f"{field} {spec!r}: {name} must be one of {GDN_KERNEL_PRECISIONS}, got {value!r}"
+            )
+        else:
+            out[name] = value
+    return out
 
 
 def parse_gdn_kernel(spec: str) -> dict[str, int | str]:
@@ -33,24 +62,14 @@ def parse_gdn_kernel(spec: str) -> dict[str, int | str]:
     Checks names, types and ranges here; that block_v divides the value head dim is checked when
     the kernels are built.
     """
-    out: dict[str, int | str] = {}
-    for part in filter(None, (x.strip() for x in spec.split(","))):
-        name, eq, value = (x.strip() for x in part.partition("="))
-        if not eq or name not in GDN_KERNEL_KNOBS:
-            raise ValueError(
-                f"gdn_kernel {spec!r}: {part!r} is not NAME=VALUE with NAME in {tuple(GDN_KERNEL_KNOBS)}"
-            )
-        if GDN_KERNEL_KNOBS[name] is int:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"gdn_kernel {spec!r}: {name} must be a positive integer, got {value!r}")
-            out[name] = int(value)
-        elif value not in GDN_KERNEL_PRECISIONS:
-            raise ValueError(
-                f"gdn_kernel {spec!r}: precision must be one of {GDN_KERNEL_PRECISIONS}, got {value!r}"
-            )
-        else:
-            out[name] = value
-    return out
+    return _parse_kernel("gdn_kernel", spec, GDN_KERNEL_KNOBS)
+
+
+def parse_attn_kernel(spec: str) -> dict[str, int | str]:
+    """`attn_kernel` -> fields of the flash attention's options ("block_q=32,block_k=32,
+    block_backward=16,num_warps=4,num_stages=1", any subset; "" for none). The blocks' power-of-two
+    rule is checked when the kernel is built."""
+    return _parse_kernel("attn_kernel", spec, ATTN_KERNEL_KNOBS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +106,8 @@ class QwenConfig:
     # causal self-attention (training, prefill without a cache): "jax" (blocked, plain JAX) or
     # "pallas" (flash attention, jaxpi.kernels.pallas.attention; GPU kernel, plain JAX on TPU)
     attn_impl: str = "jax"
+    # the flash attention's settings, `parse_attn_kernel`'s "block_q=32,block_k=32" ("": defaults)
+    attn_kernel: str = ""
     # Losses apply the LM head this many positions at a time (0: all at once), see jaxpi.kernels.lm_head
     loss_chunk: int = 0
     remat: str = "none"
@@ -139,6 +160,11 @@ class QwenConfig:
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
         if self.attn_impl not in ("jax", "pallas"):
             errors.append(f"attn_impl {self.attn_impl!r} is not one of ('jax', 'pallas')")
+        try:
+            if parse_attn_kernel(self.attn_kernel) and self.attn_impl != "pallas":
+                errors.append(f"attn_kernel {self.attn_kernel!r} applies only to attn_impl pallas")
+        except ValueError as e:
+            errors.append(str(e))
         if self.loss_chunk < 0:
             errors.append(f"loss_chunk {self.loss_chunk} must be >= 0 (0: the LM head at once)")
         if errors:

@@ -90,6 +90,8 @@ def test_layer_types_default_and_full_attention_interval():
         ({"gdn_impl": "pallas", "gdn_kernel": "block_v=0"}, "block_v must be a positive integer"),
         ({"gdn_impl": "pallas", "gdn_kernel": "precision=fp8"}, "precision must be one of"),
         ({"gdn_kernel": "block_v=16"}, "applies only to gdn_impl pallas"),
+        ({"attn_impl": "pallas", "attn_kernel": "block_q=0"}, "block_q must be a positive integer"),
+        ({"attn_kernel": "block_q=32"}, "applies only to attn_impl pallas"),
     ],
 )
 def test_invalid_configs_are_explained(change, message):

@@ -96,30 +96,36 @@ def test_lowering_at_27b_attention_shapes(platform: str):
 
 
 def test_model_config_selects_flash_attention_end_to_end(tmp_path):
-    """`model.attn_impl=pallas` reaches the attention layers: the loss and gradients of `jax`."""
+    """`model.attn_impl=pallas` (with `model.attn_kernel`'s blocks) reaches the attention layers:
+    the loss and gradients of `jax`."""
     from flax import nnx
 
     from jaxpi import TINY, load_hf
+    from jaxpi.config import FULL, LINEAR
     from jaxpi.hf_fixtures import make_checkpoint
     from jaxpi.train.sft import ModelConfig
 
     with pytest.raises(ValueError, match="attn_impl"):
         ModelConfig(attn_impl="cudnn")
-    from jaxpi.config import FULL, LINEAR
-
+    with pytest.raises(ValueError, match=r"model\.attn_kernel .* applies only to attn_impl pallas"):
+        ModelConfig(attn_kernel="block_q=16")
     cfg = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))
     ckpt = make_checkpoint(tmp_path / "ckpt", cfg, seed=4)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 21)), jnp.int32)
     seg = jnp.asarray([[0] * 9 + [1] * 12])
     results = {}
     for impl in ("jax", "pallas"):
-        model = load_hf(ckpt, config_overrides=ModelConfig(attn_impl=impl).overrides())[1]
+        kernel = "block_q=16,block_k=16,block_backward=16" if impl == "pallas" else ""
+        model = load_hf(ckpt, config_overrides=ModelConfig(attn_impl=impl, attn_kernel=kernel).overrides())[1]
         graphdef, params = nnx.split(model, nnx.Param)
 
         def loss(p, graphdef=graphdef):
             return jnp.mean(nnx.merge(graphdef, p)(ids, segment_ids=seg) ** 2)
 
-        assert ("pallas_call" in str(jax.make_jaxpr(loss)(params))) == (impl == "pallas")
+        jaxpr = str(jax.make_jaxpr(loss)(params))
+        assert ("pallas_call" in jaxpr) == (impl == "pallas")
+        if impl == "pallas":  # the forward's grid (query blocks, batch, heads): 21 tokens in 2 blocks of 16
+            assert f"grid=(2, 1, {cfg.num_attention_heads})" in jaxpr
         value, grads = jax.jit(jax.value_and_grad(loss))(params)
         results[impl] = (float(value), jax.tree.leaves(grads))
     assert abs(results["pallas"][0] - results["jax"][0]) <= 1e-6 * abs(results["jax"][0])

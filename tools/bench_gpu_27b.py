@@ -36,7 +36,7 @@ Model FLOPs per step (what MFU counts; remat recomputation is not counted):
 
     python tools/bench_gpu_27b.py --out results.json [--seq 8192] [--steps 5] [--tiny] [--impl jax pallas]
                                   [--loss-chunk 1024] [--gdn-chunk 64] [--gdn-kernel block_v=16,num_stages=2]
-                                  [--attn-impl pallas]
+                                  [--attn-impl pallas] [--attn-kernel block_q=32,block_k=32]
                                   [--profile] [--no-torch]
                                   [--gdn-variants jax jax_assoc jax_assoc@128 jax_unroll8]
 
@@ -372,6 +372,7 @@ def stage_step(cfg: QwenConfig, seq: int, steps: int, rank: int, peak: float, pr
         "gdn_chunk_size": cfg.gdn_chunk_size,
         "norm_impl": cfg.norm_impl,
         "attn_impl": cfg.attn_impl,
+        "attn_kernel": cfg.attn_kernel,
         "loss_chunk": cfg.loss_chunk,
     }
     RESULTS[step_name(seq, cfg.gdn_impl)] = res
@@ -505,6 +506,11 @@ def main() -> int:
         help="the step's attn_impl: the blocked plain-JAX causal attention or flash attention (Pallas/Triton)",
     )
     ap.add_argument(
+        "--attn-kernel",
+        default="",
+        help='the flash attention\'s attn_kernel with --attn-impl pallas, e.g. "block_q=32,block_k=32,block_backward=16"',
+    )
+    ap.add_argument(
         "--gdn-kernel",
         default="",
         help="the Pallas step paths' gdn_kernel, e.g. \"block_v=16,num_stages=2\" (default: the kernels' defaults)",
@@ -538,6 +544,7 @@ def main() -> int:
             gdn_kernel=args.gdn_kernel if pallas else "",
             norm_impl=norm,
             attn_impl=args.attn_impl,
+            attn_kernel=args.attn_kernel if args.attn_impl == "pallas" else "",
             loss_chunk=args.loss_chunk,
             gdn_chunk_size=args.gdn_chunk,
         )

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpi.config import FULL, QwenConfig, parse_gdn_kernel
+from jaxpi.config import FULL, QwenConfig, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
@@ -177,9 +177,10 @@ class GatedAttention(nnx.Module):
             # equals the positional mask of `attention` without computing the masked half.
             if cfg.attn_impl == "pallas":
                 # imported here, as the other Pallas kernels: only traced when asked for
-                from jaxpi.kernels.pallas.attention import pallas_causal_attention
+                from jaxpi.kernels.pallas.attention import AttentionOptions, pallas_causal_attention
 
-                o = pallas_causal_attention(q, k, v, segments=segment_ids)
+                opts = AttentionOptions(**parse_attn_kernel(cfg.attn_kernel))
+                o = pallas_causal_attention(q, k, v, segments=segment_ids, options=opts)
             else:
                 o = causal_attention(q, k, v, segments=segment_ids)
             new_cache = None

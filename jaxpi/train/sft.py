@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpi.config import GDN_IMPLS, REMAT_POLICIES, parse_gdn_kernel
+from jaxpi.config import GDN_IMPLS, REMAT_POLICIES, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
@@ -58,6 +58,8 @@ class ModelConfig:
     gdn_kernel: str = ""
     norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
     attn_impl: str = "jax"  # QwenConfig.attn_impl: causal self-attention, "jax" | "pallas" (flash)
+    # QwenConfig.attn_kernel: the flash attention's settings, e.g. "block_q=32,block_k=32"
+    attn_kernel: str = ""
     # QwenConfig.loss_chunk: the loss runs the LM head this many positions at a time, so the
     # [B, T, V] logits never exist whole (0 = at once; e.g. 1024 for a 248k vocabulary at long T)
     loss_chunk: int = 0
@@ -85,6 +87,12 @@ class ModelConfig:
             raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
         if self.attn_impl not in ("jax", "pallas"):
             raise ValueError(f"model.attn_impl must be jax or pallas, got {self.attn_impl!r}")
+        try:
+            attn_kernel = parse_attn_kernel(self.attn_kernel)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+        if attn_kernel and self.attn_impl != "pallas":
+            raise ValueError(f"model.attn_kernel {self.attn_kernel!r} applies only to attn_impl pallas")
         if self.loss_chunk < 0:
             raise ValueError(f"model.loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
 
@@ -96,6 +104,7 @@ class ModelConfig:
             "gdn_kernel": self.gdn_kernel,
             "norm_impl": self.norm_impl,
             "attn_impl": self.attn_impl,
+            "attn_kernel": self.attn_kernel,
             "loss_chunk": self.loss_chunk,
         }
 
