@@ -104,7 +104,7 @@ class QwenConfig:
     gdn_kernel: str = ""
     norm_impl: str = "jax"  # RMSNorm and gated RMSNorm: "jax" (plain JAX) or "pallas" (kernels)
     # causal self-attention (training, prefill without a cache): "jax" (blocked, plain JAX) or
-    # "pallas" (flash attention, jaxpi.kernels.pallas.attention; GPU kernel, plain JAX on TPU)
+    # "pallas" (flash attention, jaxpi.kernels.pallas.attention: JAX's Pallas GPU / TPU kernels)
     attn_impl: str = "jax"
     # the flash attention's settings, `parse_attn_kernel`'s "block_q=32,block_k=32" ("": defaults)
     attn_kernel: str = ""

@@ -1,26 +1,34 @@
-"""Flash attention (JAX's Pallas GPU kernel) against the plain blocked causal attention.
+"""Flash attention (JAX's Pallas GPU and TPU kernels) against the plain blocked causal attention.
 
-On this CPU the kernel runs in Pallas' interpreter (the kernel body the GPU compiles); the
-lowering test exports it for GPU (a Triton custom call) and for TPU (no kernel: the plain core).
+On this CPU the GPU kernel runs in Pallas' interpreter and the TPU kernel in the TPU interpreter
+(the kernel bodies the devices compile); the lowering test exports both from this CPU (Triton and
+Mosaic custom calls at the 27B's attention shapes).
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxpi.kernels.attention import causal_attention
 from jaxpi.kernels.pallas.attention import AttentionOptions, pallas_causal_attention
 
-# float32 both: measured ≤ 3.2e-7 on every tensor (the online softmax sums in another order)
+# float32 both: measured ≤ 3.2e-7 (GPU kernel) and ≤ 2.7e-7 (TPU kernel) on every tensor (the
+# online softmax sums in another order)
 TOL = 1e-5
-SMALL = AttentionOptions(block_q=16, block_k=16, block_backward=16)
+SMALL = {
+    "gpu": AttentionOptions(block_q=16, block_k=16, block_backward=16),
+    "tpu": AttentionOptions(interpret="tpu"),
+}
 
 
 def rel_err(a, b) -> float:
@@ -40,25 +48,28 @@ def outputs_and_grads(fn, q, k, v, cot):
     return (out, *vjp(cot))
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["segments", "one-sequence"])
-def test_flash_attention_matches_the_blocked_core(packed: bool):
-    """GQA 3:1, T = 37 (padded to the 16-blocks inside), packed segments or none: the output and
-    the q, k, v gradients of `causal_attention`."""
+@pytest.mark.parametrize(
+    ("kernel", "packed"),
+    [("gpu", True), ("gpu", False), ("tpu", True)],
+    ids=["gpu-segments", "gpu-one", "tpu-segments"],
+)
+def test_flash_attention_matches_the_blocked_core(kernel: str, packed: bool):
+    """GQA 3:1, T = 37 (padded to the kernel's blocks inside), packed segments or none: the output
+    and the q, k, v gradients of `causal_attention`."""
     q, k, v, cot = case(0)
     seg = jnp.asarray(np.repeat([[0, 1, 2], [5, 5, 6]], [11, 17, 9], axis=1), jnp.int32) if packed else None
     want = jax.jit(lambda *a: outputs_and_grads(lambda q, k, v: causal_attention(q, k, v, segments=seg), *a))(
         q, k, v, cot
     )
-    got = jax.jit(
-        lambda *a: outputs_and_grads(
-            lambda q, k, v: pallas_causal_attention(q, k, v, segments=seg, options=SMALL), *a
-        )
-    )(q, k, v, cot)
+    flash = functools.partial(pallas_causal_attention, segments=seg, options=SMALL[kernel])
+    # the TPU kernel on CPU: its interpreter for the forward and the backward (module docstring)
+    with pltpu.force_tpu_interpret_mode() if kernel == "tpu" else contextlib.nullcontext():
+        got = jax.jit(lambda *a: outputs_and_grads(flash, *a))(q, k, v, cot)
     for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape and np.all(np.isfinite(a)), name
         assert rel_err(a, b) <= TOL, f"{name}: {rel_err(a, b):.2e}"
-    if packed:  # the segments matter: without them the second segment's outputs move
-        alone = pallas_causal_attention(q, k, v, options=SMALL)
+    if packed and kernel == "gpu":  # the segments matter: without them the second segment's outputs move
+        alone = pallas_causal_attention(q, k, v, options=SMALL[kernel])
         assert rel_err(alone[:, 11:], got[0][:, 11:]) > 1e-2
 
 
@@ -73,8 +84,8 @@ def test_bad_options_and_heads_are_refused():
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_lowering_at_27b_attention_shapes(platform: str):
     """Forward + backward exported from this CPU at the 27B's attention heads (24 query, 4 kv,
-    head_dim 256, bf16): a Triton call for each of the kernel's forward and backward passes on
-    GPU; on TPU the plain core, no kernel."""
+    head_dim 256, bf16): a Triton call (GPU) or a Mosaic call (TPU) for each of the kernel's
+    forward and backward passes."""
     spec = jax.ShapeDtypeStruct
     shapes = [spec((1, 256, 24, 256), jnp.bfloat16)] + [spec((1, 256, 4, 256), jnp.bfloat16)] * 2
     shapes.append(spec((1, 256), jnp.int32))
@@ -89,10 +100,18 @@ def test_lowering_at_27b_attention_shapes(platform: str):
         *shapes
     ).mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text).count(target)
-    # GPU: the forward, the backward's preprocessing and its dK/dV + dQ kernel
-    assert calls == (3 if platform == "cuda" else 0)
+    # GPU: the forward, the backward's preprocessing and its dK/dV + dQ kernel; TPU: the forward,
+    # the dK/dV and the dQ kernels
+    assert calls == 3
     if platform == "cuda":
         assert "mha_forward" in text and "mha_backward" in text
+    else:
+        names = set(re.findall(r'kernel_name = "(\w+)"', text))
+        assert names == {
+            "_flash_attention_kernel",
+            "_flash_attention_dkv_kernel",
+            "_flash_attention_dq_kernel",
+        }
 
 
 def test_model_config_selects_flash_attention_end_to_end(tmp_path):

@@ -11,15 +11,20 @@ is kv head h // (Hq / Hkv), as `attention` groups them); their gradients sum bac
 repeat. T is padded to the block size at the end: causality alone keeps the padding out of
 every real token's view.
 
-Platforms, as the other kernels (`dispatch.per_platform`): Triton on GPU, Pallas' interpreter
-on CPU (the tests' parity check; interpreted timings mean nothing), and on TPU the plain-JAX
-`causal_attention` (this kernel is GPU-only). Under a mesh the kernel runs per (batch, head)
-shard in `jax.shard_map`, the sequence whole (as for the gated delta rule, `sharded`).
+Platforms, as the other kernels (`dispatch.per_platform`): on GPU the Triton kernel above; on TPU
+JAX's Pallas TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`, Mosaic;
+[B, H, T, D] layout, T padded to its 128-blocks, segment ids as `SegmentIds`); on CPU the GPU
+kernel in Pallas' interpreter (the tests' parity check; interpreted timings mean nothing).
+`interpret="tpu"` runs the TPU kernel instead, which on CPU needs the caller to hold
+`pltpu.force_tpu_interpret_mode()` around the forward and the backward (as the tests do). Under
+a mesh the kernel runs per (batch, head) shard in `jax.shard_map`, the sequence whole (as for the
+gated delta rule, `sharded`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -27,7 +32,6 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.sharding import PartitionSpec as P
 
-from jaxpi.kernels.attention import causal_attention
 from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.sharded import mesh_layout, run_sharded
 
@@ -37,22 +41,23 @@ class AttentionOptions:
     """`block_q` / `block_k`: the forward's query and key blocks; `block_backward`: the blocks of
     both backward passes (dK/dV and dQ); `num_warps` (None: the kernel's choice) and `num_stages`
     are Triton's. Blocks must be powers of two ≥ 16 (Triton's tile rule); T is padded to the
-    largest. `interpret`: None = per platform, True = Pallas' interpreter everywhere."""
+    largest. The TPU kernel takes its own default blocks (128). `interpret`: None = per platform,
+    True = the GPU kernel in Pallas' interpreter everywhere, "tpu" = the TPU kernel (module docstring)."""
 
     block_q: int = 64
     block_k: int = 64
     block_backward: int = 32
     num_warps: int | None = None
     num_stages: int = 2
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_k", "block_backward"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
-        if self.interpret not in (None, True):
-            raise ValueError(f"interpret must be None or True, got {self.interpret!r}")
+        if self.interpret not in (None, True, "tpu"):
+            raise ValueError(f"interpret must be None, True or 'tpu', got {self.interpret!r}")
 
     def block_sizes(self) -> gpu_attention.BlockSizes:
         bb = self.block_backward
@@ -96,6 +101,28 @@ def _flash(
     return out[:, :t]
 
 
+# the TPU kernel's sequence blocks (its BlockSizes.get_default)
+TPU_BLOCK = 128
+
+
+def _tpu_flash(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
+    """The Pallas TPU flash attention on [B, T, H, D] with as many kv as query heads."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
+
+    t = q.shape[1]
+    pad = -t % TPU_BLOCK
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        if segments is not None:
+            segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
+    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, D] <-> [B, H, T, D]
+    ids = None if segments is None else tpu_attention.SegmentIds(q=segments, kv=segments)
+    out = tpu_attention.flash_attention(
+        *map(heads_first, (q, k, v)), segment_ids=ids, causal=True, sm_scale=q.shape[-1] ** -0.5
+    )
+    return heads_first(out)[:, :t]
+
+
 def pallas_causal_attention(
     q: jax.Array,
     k: jax.Array,
@@ -117,8 +144,8 @@ def pallas_causal_attention(
     v = v.astype(q.dtype)
 
     def build(mode: str) -> Callable:
-        if mode.startswith("mosaic"):  # no TPU kernel here: the plain blocked core
-            return lambda q, k, v, *seg: causal_attention(q, k, v, segments=seg[0] if seg else None)
+        if mode.startswith("mosaic"):
+            return lambda q, k, v, *seg: _tpu_flash(q, k, v, seg[0] if seg else None)
         return lambda q, k, v, *seg: _flash(q, k, v, seg[0] if seg else None, opts, mode == "interpret")
 
     def run(q, k, v, *seg):
