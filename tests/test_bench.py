@@ -102,6 +102,8 @@ def test_train_step_vs_torch(capsys, reports):
     for fig in (j["step_s"], j["tokens_per_s"], j["flop_per_s"], j["mfu"], t["step_s"], t["tokens_per_s"]):
         _check_figure(fig)
     _check_figure(r["peak"]["flop_per_s"], repeats=3)
+    # on the CPU the MFU denominator is the wall-clock figure (no kernel-timed probe)
+    assert r["peak"]["mfu_peak"] == r["peak"]["flop_per_s"]["median"] and "kernel_timed" not in r["peak"]
     assert 0 < j["mfu"]["median"] < 1.5 and 0 < t["mfu"] < 1.5
     assert j["compile_s"] > 0
     # XLA's cost analysis of the compiled step counts every op (elementwise, the full score
@@ -454,6 +456,17 @@ def test_bench_gdn_times_the_log_depth_scan_beside_the_plain_one(capsys):
         expected = g["plain_jax"][f"{part}_s"]["median"] / g["jaxpi"][f"{part}_s"]["median"]
         assert g[f"speedup_jax_assoc_{part}"] == pytest.approx(expected)
     assert g["max_abs_diff_jax_assoc_vs_plain"] < 1e-5
+
+
+def test_matmul_peak_takes_the_larger_of_wall_clock_and_kernel_time():
+    """`matmul_peak(kernel_timed=True)` (what an accelerator gets by default): both figures, and
+    the MFU denominator is the larger median."""
+    from jaxpi.bench.peak import matmul_peak
+
+    peak = matmul_peak(96, "float32", repeats=3, kernel_timed=True)
+    wall, kernel = peak["flop_per_s"]["median"], peak["kernel_timed"]["median_tflops"] * 1e12
+    assert peak["mfu_peak"] == max(wall, kernel) > 0
+    assert peak["mfu_peak_source"] == ("kernel" if kernel > wall else "wall")
 
 
 def test_kernel_timed_matmul_rate_reads_the_matmul_kernels_of_a_trace():
