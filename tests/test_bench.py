@@ -475,7 +475,7 @@ def test_kernel_timed_matmul_rate_reads_the_matmul_kernels_of_a_trace():
     from jaxpi.bench.peak import kernel_matmul_rate
 
     res = kernel_matmul_rate(96, 64, 128, dtype="float32", reps=5, warmup_s=0.1)
-    assert res["kernels_per_call"] >= 1 and res["kernel_names"]
+    # exactly the product's own kernel per call: not the host's wrapper events around it, not
+    # the program's other ops
+    assert res["kernels_per_call"] == 1 and len(res["kernel_names"]) == 1
     assert 0 < res["median_tflops"] <= res["max_tflops"]
-    # the median call's kernel time gives the median rate (odd reps: both are the middle call)
-    assert res["median_kernel_s"] == pytest.approx(2 * 96 * 64 * 128 / (res["median_tflops"] * 1e12))

@@ -71,6 +71,18 @@ class AttentionOptions:
         )
 
 
+def _pad_tokens(multiple: int, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None):
+    """q, k, v [B, T, H, D] and segments [B, T] padded at the end of T to a multiple of `multiple`:
+    causality alone keeps the padding out of every real token's view (segments continue the last)."""
+    pad = -q.shape[1] % multiple
+    if not pad:
+        return q, k, v, segments
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    if segments is not None:
+        segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
+    return q, k, v, segments
+
+
 def _flash(
     q: jax.Array,
     k: jax.Array,
@@ -81,11 +93,7 @@ def _flash(
 ):
     """mha on [B, T, H, D] with as many kv as query heads, T padded to the blocks at the end."""
     t = q.shape[1]
-    pad = -t % max(opts.block_q, opts.block_k, opts.block_backward)
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        if segments is not None:  # padding after the last token: causality already hides it
-            segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
+    q, k, v, segments = _pad_tokens(max(opts.block_q, opts.block_k, opts.block_backward), q, k, v, segments)
     out = gpu_attention.mha(
         q,
         k,
@@ -110,11 +118,7 @@ def _tpu_flash(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | N
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
 
     t = q.shape[1]
-    pad = -t % TPU_BLOCK
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        if segments is not None:
-            segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge")
+    q, k, v, segments = _pad_tokens(TPU_BLOCK, q, k, v, segments)
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, D] <-> [B, H, T, D]
     ids = None if segments is None else tpu_attention.SegmentIds(q=segments, kv=segments)
     out = tpu_attention.flash_attention(
