@@ -153,6 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             remat=args.remat,
             dcn=args.dcn,
             loss_chunk=args.loss_chunk,
+            attn_impl=args.attn_impl,
+            gdn_impl=args.gdn_impl,
         )
         results.append(plan(req, progress=not args.json))
     if args.json:
@@ -301,6 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--loss-chunk", type=int, default=0, help="LM head this many positions at a time (0: all at once)"
+    )
+    from jaxpi.config import ATTN_IMPLS, GDN_IMPLS
+
+    pl.add_argument(
+        "--attn-impl",
+        choices=ATTN_IMPLS,
+        default="jax",
+        help="model.attn_impl: jax keeps each query block's scores for the backward, pallas (flash) "
+        "only a log-sum-exp per query (on CPU the kernel compiles in Pallas' interpreter)",
+    )
+    pl.add_argument(
+        "--gdn-impl",
+        choices=GDN_IMPLS,
+        default="jax",
+        help="model.gdn_impl, compiled as given (the analytic figure counts every impl as the plain scan)",
     )
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)

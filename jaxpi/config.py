@@ -21,6 +21,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp", "mlp_out")
 
 # `gdn_impl` values: see jaxpi.kernels.gated_delta.chunk_gated_delta_rule
 GDN_IMPLS = ("jax", "jax_assoc", "jax_split", "pallas", "pallas_split")
+ATTN_IMPLS = ("jax", "pallas")  # causal self-attention: blocked plain JAX | flash kernel
 # `gdn_kernel` knobs of the Pallas gated delta rule (jaxpi.kernels.pallas.KernelOptions), by type
 GDN_KERNEL_KNOBS = {"block_v": int, "num_warps": int, "num_stages": int, "precision": str}
 GDN_KERNEL_PRECISIONS = ("default", "tf32", "highest")
@@ -158,8 +159,8 @@ class QwenConfig:
             errors.append(str(e))
         if self.norm_impl not in ("jax", "pallas"):
             errors.append(f"norm_impl {self.norm_impl!r} is not one of ('jax', 'pallas')")
-        if self.attn_impl not in ("jax", "pallas"):
-            errors.append(f"attn_impl {self.attn_impl!r} is not one of ('jax', 'pallas')")
+        if self.attn_impl not in ATTN_IMPLS:
+            errors.append(f"attn_impl {self.attn_impl!r} is not one of {ATTN_IMPLS}")
         try:
             if parse_attn_kernel(self.attn_kernel) and self.attn_impl != "pallas":
                 errors.append(f"attn_kernel {self.attn_kernel!r} applies only to attn_impl pallas")

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpi.config import FULL, LINEAR, REMAT_POLICIES, QwenConfig, preset
+from jaxpi.config import ATTN_IMPLS, FULL, GDN_IMPLS, LINEAR, REMAT_POLICIES, QwenConfig, preset
 from jaxpi.kernels.attention import ATTN_BLOCK
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import UNROLL_GROUPS, Qwen3_5ForCausalLM, layer_plan
@@ -102,6 +102,8 @@ class PlanRequest:
     remat: str = "full"
     dcn: str | None = None
     loss_chunk: int = 0  # the LM head this many positions at a time (0: all at once)
+    attn_impl: str = "jax"  # QwenConfig.attn_impl: "jax" (blocked, scores kept) | "pallas" (flash)
+    gdn_impl: str = "jax"  # QwenConfig.gdn_impl (one of GDN_IMPLS)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch_per_device < 1:
@@ -110,6 +112,10 @@ class PlanRequest:
             raise ValueError(f"loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat {self.remat!r} is not one of {REMAT_POLICIES}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl {self.attn_impl!r} is not one of {ATTN_IMPLS}")
+        if self.gdn_impl not in GDN_IMPLS:
+            raise ValueError(f"gdn_impl {self.gdn_impl!r} is not one of {GDN_IMPLS}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError("lora_rank must be >= 1")
         parse_mesh_spec(self.mesh)
@@ -199,7 +205,9 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     dcn = parse_mesh_spec(req.dcn) if req.dcn else None
     mesh = make_mesh(req.mesh, dcn=dcn, devices=devices[:n])
     strategy = get_strategy(req.strategy)
-    cfg = preset(req.model).replace(remat=req.remat, loss_chunk=req.loss_chunk)
+    cfg = preset(req.model).replace(
+        remat=req.remat, loss_chunk=req.loss_chunk, attn_impl=req.attn_impl, gdn_impl=req.gdn_impl
+    )
     dtype = jnp.dtype(req.dtype)
     trainable = LoRAParam if req.lora_rank else nnx.Param
 
@@ -382,11 +390,18 @@ def _layer_bytes(setup: _Setup, b: int) -> dict[str, _LayerBytes]:
     # copy; the layer input and its norm.
     q = loc(("batch", "seq", "q_heads", "head_dim"), (b, t, hq, hd))
     kv = loc(("batch", "seq", "kv_heads", "head_dim"), (b, t, hkv, hd))
-    scores = loc(("batch", "q_heads", None), (b, hq, _attention_block_elems(t, ATTN_BLOCK)))
     attn_proj = (2 * q + 2 * kv + resid) * act
-    attn_total = attn_proj + (2 * q + kv + 2 * resid) * act + scores * (4 + act)
-    # `dots` saves the float32 scores of every block (a batched dot) and the block outputs.
-    attn_batched = scores * 4 + q * act
+    if cfg.attn_impl == "pallas":
+        # Flash attention keeps no scores: the kernel saves the softmax's log-sum-exp [B, Hq, T]
+        # in float32, and its inputs include k and v repeated to the query heads (GQA).
+        core = loc(("batch", "q_heads", "seq"), (b, hq, t)) * 4 + (2 * q * act if hkv < hq else 0)
+        attn_batched = 0  # a kernel call, not a dot: `dots` saves none of it
+    else:
+        scores = loc(("batch", "q_heads", None), (b, hq, _attention_block_elems(t, ATTN_BLOCK)))
+        core = scores * (4 + act)
+        # `dots` saves the float32 scores of every block (a batched dot) and the block outputs.
+        attn_batched = scores * 4 + q * act
+    attn_total = attn_proj + (2 * q + kv + 2 * resid) * act + core
 
     # Gated DeltaNet: q, k [B, T, Hk, dk], v, z [B, T, Hv, dv], a, b [B, T, Hv] and out_proj
     # projected; the conv outputs and normalised q, k; the chunked delta rule's float32 products
@@ -445,7 +460,10 @@ def _temp_terms(setup: _Setup, train_local: int) -> dict[str, int]:
                     which dot_generals XLA keeps, and which elementwise results it fuses into
                     them, is decided by the compiler.
     Attention is blocked (`causal_attention`): per layer about T·(T + c)/2 score elements per head
-    live for the backward, in float32 plus the activation dtype.
+    live for the backward, in float32 plus the activation dtype; with `attn_impl="pallas"` (flash)
+    only a float32 log-sum-exp per query and head, and k, v repeated to the query heads. Every
+    `gdn_impl` is counted as the plain chunk scan (the split and Pallas scans also save the states
+    entering the chunks; how their other residuals differ is not modelled).
     """
     req, strategy, sizes = setup.req, setup.strategy, setup.sizes
     cfg = setup.cfg
@@ -594,6 +612,8 @@ def format_table(results: list[PlanResult]) -> str:
         0,
         f"{r0.model}  seq {r0.seq_len}  batch/device {r0.batch_per_device}  dtype {r0.dtype}  remat {r0.remat}"
         + (f"  loss_chunk {r0.loss_chunk}" if r0.loss_chunk else "")
+        + (f"  attn_impl {r0.attn_impl}" if r0.attn_impl != "jax" else "")
+        + (f"  gdn_impl {r0.gdn_impl}" if r0.gdn_impl != "jax" else "")
         + (f"  LoRA rank {r0.lora_rank}" if r0.lora_rank else "  full fine-tuning"),
     )
     notes = sorted({f for r in results for f in r.fallbacks})

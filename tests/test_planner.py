@@ -82,10 +82,12 @@ def test_plan_table_and_device_memory_verdict():
         "mlp",
         "--loss-chunk",
         "8",
+        "--attn-impl",
+        "pallas",
     )
     assert proc.returncode == 1, proc.stderr[-2000:]  # does not fit in 64 KiB
     assert "LoRA rank 4" in proc.stdout and "NO" in proc.stdout and "temp /dev" in proc.stdout
-    assert "remat mlp  loss_chunk 8" in proc.stdout.splitlines()[0]
+    assert "remat mlp  loss_chunk 8  attn_impl pallas" in proc.stdout.splitlines()[0]
 
 
 def test_plan_errors_are_clear():
@@ -97,15 +99,19 @@ def test_plan_errors_are_clear():
         PlanRequest(model="tiny", loss_chunk=-1)
     with pytest.raises(ValueError, match="remat 'some' is not one of"):
         PlanRequest(model="tiny", remat="some")
+    with pytest.raises(ValueError, match="attn_impl 'flash' is not one of"):
+        PlanRequest(model="tiny", attn_impl="flash")
+    with pytest.raises(ValueError, match="gdn_impl 'triton' is not one of"):
+        PlanRequest(model="tiny", gdn_impl="triton")
     proc = run_plan("--model", "tiny")
     assert proc.returncode == 2 and "--mesh" in proc.stderr
 
 
 # Memory levers on one device: tiny in float32 at T = 128, where the float32 logits (V = 512) are
-# an eighth of the temporaries. "policy:loss_chunk" -> plan JSON, all from one process (about 9 s
-# of compile each: the other policies are in the slow test).
-LEVERS = ("full:0", "mlp:0", "full:16")
-LEVERS_SLOW = ("none:0", "dots:0", "dots_no_batch:0")
+# an eighth of the temporaries. "policy:loss_chunk[:attn_impl]" -> plan JSON, all from one process
+# (about 7 s of compile each: the dots policies are in the slow test).
+LEVERS = ("full:0", "mlp:0", "full:16", "none:0", "none:0:pallas")
+LEVERS_SLOW = ("dots:0", "dots_no_batch:0")
 
 
 def plan_levers(specs: tuple[str, ...]) -> dict[str, dict]:
@@ -116,9 +122,9 @@ def plan_levers(specs: tuple[str, ...]) -> dict[str, dict]:
         os.environ["XLA_FLAGS"] = planner_xla_flags(1)  # before the backend starts
         out = {}
         for spec in sys.argv[1:]:
-            remat, chunk = spec.split(":")
+            remat, chunk, *attn = spec.split(":")
             req = PlanRequest(model="tiny", mesh="fsdp=1", seq_len=128, dtype="float32", remat=remat,
-                              loss_chunk=int(chunk))
+                              loss_chunk=int(chunk), attn_impl=attn[0] if attn else "jax")
             out[spec] = plan(req, progress=False).to_json()
         print(json.dumps(out))
         """
@@ -167,6 +173,19 @@ def test_remat_policies_order_compiled_and_analytic_alike(lever_plans):
     assert temps(lever_plans, "full:0")[0] < 0.95 * temps(lever_plans, "mlp:0")[0]
     assert sorted(order, key=lambda s: temps(lever_plans, s)[1]) == order
     assert_analytic_tracks_compiled(lever_plans)
+
+
+def test_flash_attention_keeps_no_scores_compiled_and_analytic(lever_plans):
+    # Without remat the blocked core keeps every query block's float32 scores and probabilities
+    # for the backward: 4 heads x 128 x 128 x 8 bytes on tiny at T = 128 (one attention layer).
+    # Flash attention (compiled on CPU in Pallas' interpreter) keeps a log-sum-exp per query
+    # instead (measured: 524,032 bytes fewer compiled, 608,256 analytic).
+    scores = 4 * 128 * 128 * 8
+    (cj, aj), (cf, af) = temps(lever_plans, "none:0"), temps(lever_plans, "none:0:pallas")
+    assert lever_plans["none:0:pallas"]["request"]["attn_impl"] == "pallas"
+    assert cj - cf >= 0.9 * scores, (cj, cf)
+    assert aj - af >= 0.9 * scores, (aj, af)
+    assert_analytic_tracks_compiled({k: lever_plans[k] for k in ("none:0", "none:0:pallas")})
 
 
 @pytest.mark.slow
