@@ -133,7 +133,7 @@ def test_chunked_backward_matches_hf(length: int, chunk_size: int, k_heads: int,
 @pytest.mark.parametrize(
     ("impl", "length"),
     # 7 chunks of 16 (an odd count for the associative scan's pairs), 7 whole
-    [("jax_assoc", 100), ("jax_assoc", 112), ("jax_split", 100)],
+    [("jax_assoc", 100), pytest.param("jax_assoc", 112, marks=pytest.mark.slow), ("jax_split", 100)],
 )
 def test_parallel_scans_match_hf_and_the_sequential_scan(impl: str, length: int):
     """`impl="jax_assoc"` (the chunks' affine maps composed by `lax.associative_scan`) and
