@@ -32,6 +32,7 @@ from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 CFG = TINY.replace(num_hidden_layers=9)  # scanned groups and an unrolled tail both get adapters
 # Five layers of period 2: groups (0,1) and (2,3) scanned, layer 4 in the tail.
 SMALL = TINY.replace(num_hidden_layers=5, layer_types=(LINEAR, FULL, LINEAR, FULL, LINEAR))
+PAIR = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))  # one layer of each kind
 FWD = jax.jit(lambda m, x: m(x))
 FWD_KEY = jax.jit(lambda m, x, k: m(x, dropout_key=k))
 
@@ -213,7 +214,8 @@ def set_dropout(model, rate: float) -> None:
 
 
 def test_dropout_is_driven_by_the_key_and_gradients_flow(base, ids):
-    model = add_lora(base(SMALL), LoraConfig(rank=4, alpha=8.0, dropout=0.0))
+    # every kind of adapter (DeltaNet, attention, MLP) in two layers: five compiles of this model
+    model = add_lora(base(PAIR), LoraConfig(rank=4, alpha=8.0, dropout=0.0))
     randomize_b(model)
     k1, k2 = jax.random.key(1), jax.random.key(2)
     no_drop = FWD(model, ids)
