@@ -127,6 +127,7 @@ def test_train_step_vs_torch(capsys, reports):
     _check_figure(r["speedup_pairs"])
     _check_figure(j["peak_adjacent"])
     _check_figure(j["mfu_adjacent"])
+    assert j["peak_adjacent_source"] == "wall"
     for pair, ts, js in zip(
         r["speedup_pairs"]["values"], t["step_s"]["values"], j["step_s"]["values"], strict=True
     ):

@@ -223,7 +223,7 @@ def format_table(report: dict[str, Any]) -> str:
                 lines.append(
                     f"  jaxpi / torch per back-to-back pair: {_f(r['speedup_pairs'], 1, '{:.2f}')}×   "
                     f"jaxpi MFU vs each repeat's adjacent peak {_f(j['mfu_adjacent'], 100, '{:.1f}')} % "
-                    f"(peak {_f(j['peak_adjacent'], 1e-9)} GFLOP/s)"
+                    f"(peak {_f(j['peak_adjacent'], 1e-9)} GFLOP/s, wall clock)"
                 )
     if "gdn" in res:
         g = res["gdn"]
