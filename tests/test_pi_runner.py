@@ -58,7 +58,11 @@ LEVEL = "low"
 MAX_LEN = 2048
 INSTRUCTION = "Create a file named hello.txt that contains the word hello."
 COMMAND = "echo hello > hello.txt"
-SFT_STEPS = 30
+# Enough steps that greedy decoding reproduces the session whatever the prompt's length: Pi's
+# system prompt names its install path, so the prompt's tokens depend on the checkout's path (a
+# clone under /tmp/tmp.*/ made it 1573 tokens, /work/main 1534); at 30 steps one such clone
+# ended at loss 0.015 and decoded a corrupted command.
+SFT_STEPS = 60
 
 
 def free_port() -> int:
@@ -345,7 +349,7 @@ def sft_ckpt(workdir, base, untrained):
         ],
     )
     summary = run_sft(cfg, progress=False, out=sys.stderr)
-    assert summary["final_loss"] < 0.1, summary  # the session is memorised
+    assert summary["final_loss"] < 0.01, summary  # the session is memorised (measured 0.002)
     return Path(summary["checkpoint"])
 
 
