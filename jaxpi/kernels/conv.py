@@ -22,37 +22,6 @@ def _segment_runs(segment_ids: jax.Array, num_state: int) -> jax.Array:
     return jnp.pad(jnp.cumsum(starts, axis=1), ((0, 0), (num_state, 0)))
 
 
-@jax.custom_vjp
-def _weighted_taps(taps: tuple[jax.Array, ...], weight: jax.Array) -> jax.Array:
-    """Σ_k taps[k] · weight[k] (float32 [B, T, C] each, weight [K, C]), elementwise.
-
-    The K products summed elementwise are one fusion forward and, for the taps, backward: a stack
-    of the taps [B, T, K, C] contracted by einsum (what this replaced) was a batched dot that
-    XLA:GPU ran with transposes and copies of the whole stack, and that XLA:CPU ran 20x slower
-    than this sum. The weight's gradient (full fine-tuning; LoRA leaves the conv frozen and XLA
-    drops it) is that contraction, Σ_bt taps ⊗ dy: XLA:CPU runs it as a dot faster than the K
-    column reductions autodiff of the sum gives (mid shapes, 2 cores: forward + weight gradient
-    90 against 220 ms).
-    """
-    y = taps[0] * weight[0]
-    for k in range(1, len(taps)):
-        y = y + taps[k] * weight[k]
-    return y
-
-
-def _weighted_taps_fwd(taps, weight):
-    return _weighted_taps(taps, weight), (taps, weight)
-
-
-def _weighted_taps_bwd(residuals, dy):
-    taps, weight = residuals
-    dweight = jnp.einsum("kbtc,btc->kc", jnp.stack(taps), dy)
-    return tuple(dy * weight[k] for k in range(len(taps))), dweight
-
-
-_weighted_taps.defvjp(_weighted_taps_fwd, _weighted_taps_bwd)
-
-
 def causal_conv1d(
     x: jax.Array,
     weight: jax.Array,
@@ -69,18 +38,14 @@ def causal_conv1d(
     if state is None:
         state = jnp.zeros((batch, num_taps - 1, channels), x.dtype)
     window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K−1+T, C]
+    taps = jnp.stack([window[:, i : i + length] for i in range(num_taps)], axis=2)  # [B, T, K, C]
     new_state = window[:, length:]
-    runs = None
     if segment_ids is not None:
         runs = _segment_runs(segment_ids, num_taps - 1)
+        tap_runs = jnp.stack([runs[:, i : i + length] for i in range(num_taps)], axis=2)  # [B, T, K]
+        taps = jnp.where((tap_runs == runs[:, -length:, None])[..., None], taps, 0)
         new_state = jnp.where((runs[:, length:] == runs[:, -1:])[..., None], new_state, 0)
-    taps = []
-    for i in range(num_taps):
-        tap = window[:, i : i + length].astype(jnp.float32)  # [B, T, C]: input t + i − (K−1)
-        if runs is not None:
-            tap = jnp.where((runs[:, i : i + length] == runs[:, -length:])[..., None], tap, 0)
-        taps.append(tap)
-    y = _weighted_taps(tuple(taps), weight.astype(jnp.float32))
+    y = jnp.einsum("btkc,kc->btc", taps.astype(jnp.float32), weight.astype(jnp.float32))
     if activation:
         y = jax.nn.silu(y)
     return y.astype(x.dtype), new_state
