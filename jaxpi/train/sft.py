@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpi.config import GDN_IMPLS, REMAT_POLICIES, parse_attn_kernel, parse_gdn_kernel
+from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
@@ -85,8 +85,8 @@ class ModelConfig:
             )
         if self.norm_impl not in ("jax", "pallas"):
             raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
-        if self.attn_impl not in ("jax", "pallas"):
-            raise ValueError(f"model.attn_impl must be jax or pallas, got {self.attn_impl!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"model.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         try:
             attn_kernel = parse_attn_kernel(self.attn_kernel)
         except ValueError as e:
