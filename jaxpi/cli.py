@@ -371,11 +371,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that compile the model reuse programs across processes (jaxpi/compile_cache.py); `bench`
+# times compiles and `plan` compiles for a stand-in device count, so they always compile afresh.
+COMPILE_CACHED = frozenset({"sft", "grpo", "serve", "gateway", "eval", "pi", "demo", "parity", "convert"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         _prepare_plan_process(argv)
     args = build_parser().parse_args(argv)
+    if args.command in COMPILE_CACHED:
+        from jaxpi import compile_cache
+
+        compile_cache.enable()
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpi import compile_cache
 from jaxpi.config import ATTN_IMPLS, FULL, GDN_IMPLS, LINEAR, REMAT_POLICIES, QwenConfig, preset
 from jaxpi.kernels.attention import ATTN_BLOCK
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
@@ -237,7 +238,8 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
         )
     label = f"compiling {req.strategy} on {req.mesh} ({n} devices)"
     start = time.perf_counter()
-    with _spinner(label, progress):
+    # compile_cache.disabled(): the figures and the compile time are this compile's, never a load.
+    with _spinner(label, progress), compile_cache.disabled():
         compiled = jitted.lower(state, opt_abstract, batch).compile(compiler_options=PLANNER_COMPILE_OPTIONS)
     seconds = time.perf_counter() - start
 

@@ -97,11 +97,15 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def lines_if(path: Path) -> list[str]:
+    return [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
 def kill_after(proc: subprocess.Popen, metrics: Path, updates: int, timeout: float = 900) -> None:
     """SIGKILL `proc` once `metrics` holds `updates` records (a checkpoint was saved after each)."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len([x for x in metrics.read_text().splitlines() if x.strip()]) >= updates:
+        if len(lines_if(metrics)) >= updates:
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.2)
@@ -110,14 +114,20 @@ def kill_after(proc: subprocess.Popen, metrics: Path, updates: int, timeout: flo
 
 @pytest.fixture(scope="module")
 def runs(sft_dir, tmp_path_factory):
-    """The uninterrupted run and the run to be killed, started together (two processes use the
-    two cores better than one run after the other); the killed one is SIGKILLed after 2 updates."""
+    """The uninterrupted run and the run to be killed; the killed one starts once the first has
+    finished its first update (every program compiled and in the test run's compilation cache,
+    tests/conftest.py), the two then run side by side, and it is SIGKILLed after 2 updates."""
     root = tmp_path_factory.mktemp("grpo")
     straight_out, killed_out = root / "straight", root / "killed"
     log = (root / "straight.stderr").open("w")
     p_straight = subprocess.Popen(
         command(sft_dir, straight_out), env=environ(), stdout=subprocess.PIPE, stderr=log, text=True
     )
+    deadline = time.time() + 900
+    while (
+        p_straight.poll() is None and time.time() < deadline and not lines_if(straight_out / "metrics.jsonl")
+    ):
+        time.sleep(0.2)
     p_killed = subprocess.Popen(
         command(sft_dir, killed_out), env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -174,7 +174,7 @@ def env(tmp_path_factory):
     environ = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(root), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
+        JAXPI_COMPILE_CACHE=str(root / "jax-cache"),  # the resumed runs load the programs
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         HOOK_LOG=str(root / "hook.jsonl"),
     )
@@ -235,6 +235,7 @@ def test_uninterrupted_run(env, straight):
     report = json.loads((out / "data_report.json").read_text())
     assert report["train_examples"] + report["val_examples"] == 48 and report["packing"]["efficiency"] > 0.5
     assert list((out / "tb").iterdir()), "no TensorBoard events"
+    assert list((env.root / "jax-cache").iterdir()), "`jaxpi sft` stored no compiled program"
     # The adapter loads for export, with the metadata it needs.
     adapter, lora_cfg, meta = load_adapter(out)
     assert meta["step"] == STEPS and meta["base"] == str(env.base)

@@ -2,8 +2,8 @@
 
 Nothing is allocated: the model, its adapters and the optimizer state are abstract
 (`nnx.eval_shape`), and each timed repeat traces, lowers and compiles a fresh `jax.jit` of the
-step (what a user waits for on a cold start, with no compilation cache). One untimed compile of
-the first depth warms up the backend.
+step (what a user waits for on a cold start: no compilation cache, in memory or on disk). One
+untimed compile of the first depth warms up the backend.
 
 Repeats visit the depths in turn (8, 16, 64, 8, 16, 64, ...) so that a load change on a shared
 machine falls on every depth alike, and each compile also reports the process's CPU seconds:
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpi import compile_cache
 from jaxpi.bench.config import BenchConfig
 from jaxpi.bench.timing import figure
 
@@ -66,14 +67,8 @@ def compile_bench(bench: BenchConfig, layers: Sequence[int] = (8, 16, 64)) -> di
         raise ValueError(f"compile needs layer counts >= 1, got {list(layers)}")
     depths = sorted(set(layers))
     steps = {n: abstract_step(bench, n) for n in depths}
-    for _ in range(bench.warmup):
-        compile_once(*steps[depths[0]])
-        jax.clear_caches()
-    times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in depths}
-    for _ in range(bench.repeats):
-        for n in depths:
-            times[n].append(compile_once(*steps[n]))
-            jax.clear_caches()  # the next compile starts cold, as a new process would
+    with compile_cache.disabled():  # a persistent cache would time loads, not compiles
+        times = _timed_compiles(bench, depths, steps)
     out: dict[str, Any] = {"layers": {}}
     for n in depths:
         lower, comp, cpu = (list(col) for col in zip(*times[n], strict=True))
@@ -88,3 +83,15 @@ def compile_bench(bench: BenchConfig, layers: Sequence[int] = (8, 16, 64)) -> di
     out["ratio_cpu_deepest_over_shallowest"] = hi["cpu_s"]["median"] / lo["cpu_s"]["median"]
     out["deepest"], out["shallowest"] = depths[-1], depths[0]
     return out
+
+
+def _timed_compiles(bench: BenchConfig, depths: list[int], steps: dict) -> dict[int, list]:
+    for _ in range(bench.warmup):
+        compile_once(*steps[depths[0]])
+        jax.clear_caches()
+    times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in depths}
+    for _ in range(bench.repeats):
+        for n in depths:
+            times[n].append(compile_once(*steps[n]))
+            jax.clear_caches()  # the next compile starts cold, as a new process would
+    return times

@@ -484,6 +484,10 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
     update = jax.jit(update, donate_argnums=(2,))
     logp_fn = jax.jit(lambda train, rest, ids: sequence_logprobs(nnx.merge(graphdef, train, rest), ids))
     opt_state = jax.jit(optimizer.init)(pol.train)
+    # Committed to the device, as restored arrays are: a fresh and a resumed run then trace the
+    # same programs, and the resumed one loads them from the compilation cache (an uncommitted or
+    # numpy argument lowers without a sharding, a committed one with it).
+    pol.train, opt_state = jax.device_put((pol.train, opt_state), jax.devices()[0])
     ref_train = pol.train  # the starting policy: the KL reference when loss.kl_coef > 0
 
     if start:

@@ -526,7 +526,12 @@ def build_trainer(cfg: SFTConfig, base_dir: Path, model_cfg: Any, key: Any) -> T
         return next_token_loss(nnx.merge(graphdef, params), **batch) * n, n
 
     if mesh is None:
-        opt_state = init_opt_state(optimizer, params, trainable=LoRAParam)
+        # Committed to the device, as restored arrays are: otherwise a resumed run compiles the
+        # step twice (restored adapters, then the step's own outputs) and misses the compilation
+        # cache a fresh run filled.
+        device = jax.devices()[0]
+        params = jax.device_put(params, device)
+        opt_state = jax.device_put(init_opt_state(optimizer, params, trainable=LoRAParam), device)
         return Trainer(
             graphdef,
             params,
