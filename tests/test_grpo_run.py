@@ -86,11 +86,21 @@ def command(sft_dir: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+CACHE: dict[str, Path] = {}  # this module's compilation cache (set by the `runs` fixture)
+
+
 def environ() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
+    if "dir" in CACHE:  # every program stored, so that a resume compiling anything shows
+        env["JAXPI_COMPILE_CACHE"] = str(CACHE["dir"])
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
+
+
+def compiled_programs() -> set[str]:
+    return {p.name for p in CACHE["dir"].glob("*-cache")}
 
 
 def lines(path: Path) -> list[dict]:
@@ -118,6 +128,7 @@ def runs(sft_dir, tmp_path_factory):
     finished its first update (every program compiled and in the test run's compilation cache,
     tests/conftest.py), the two then run side by side, and it is SIGKILLed after 2 updates."""
     root = tmp_path_factory.mktemp("grpo")
+    CACHE["dir"] = root / "jax-cache"
     straight_out, killed_out = root / "straight", root / "killed"
     log = (root / "straight.stderr").open("w")
     p_straight = subprocess.Popen(
@@ -196,11 +207,14 @@ def test_resume_after_sigkill_is_exact(runs, sft_dir):
     out_straight, _ = runs["straight"]
     out, returncode = runs["killed"]
     assert returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    programs = compiled_programs()
     resumed = subprocess.run(
         command(sft_dir, out), env=environ(), capture_output=True, text=True, timeout=900
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout)["resumed_from"] >= 1
+    # Restored state lowers like fresh state: the resume loaded every program from the cache.
+    assert compiled_programs() == programs
     a, b = lines(out_straight / "metrics.jsonl"), lines(out / "metrics.jsonl")
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in a] == [
         (m["step"], m["loss"], m["grad_norm"]) for m in b

@@ -248,8 +248,13 @@ def test_uninterrupted_run(env, straight):
     )
 
 
+def compiled_programs(env) -> set[str]:
+    return {p.name for p in (env.root / "jax-cache").glob("*-cache")}
+
+
 def test_resume_after_sigkill_is_exact(env, straight):
     out = env.root / "killed"
+    programs = compiled_programs(env)
     metrics = out / "metrics.jsonl"
     proc = subprocess.Popen(
         command(env, out), env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -269,6 +274,9 @@ def test_resume_after_sigkill_is_exact(env, straight):
     # Restart with the same command: it resumes from the latest checkpoint and finishes.
     summary = json.loads(run(env, out).stdout)
     assert 2 * EVERY <= summary["resumed_from"] < STEPS
+    # Neither the killed nor the resumed run compiled a program the uninterrupted run had not:
+    # restored state lowers like fresh state, so a resume loads every program from the cache.
+    assert compiled_programs(env) == programs
     # The same losses as the run that was never stopped, bit for bit (same CPU program, same
     # inputs in the same order: nothing in a step depends on what ran before it in the process).
     assert losses(out) == losses(straight.out)
