@@ -7,9 +7,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Must precede JAX's backend start-up; single-device tests simply use device 0.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The `jaxpi` commands the tests run (in subprocesses and in-process) share one compilation cache
-# per test run, made here in the controller and inherited by xdist's workers: the resumed runs of
-# tests/test_sft.py, test_grpo_run.py and test_vllm.py load what their first runs compiled, as a
-# user's resumed run does. Per run, not ~/.cache: each `make test` starts cold like a fresh machine.
+# per test run, made here in the controller and inherited by xdist's workers, so that repeated
+# runs load what earlier ones compiled, as a user's do (test_sft.py and test_grpo_run.py keep
+# their own, to check what a resume compiles). Per run, not ~/.cache: each `make test` starts
+# cold like a fresh machine.
 if "JAXPI_COMPILE_CACHE" not in os.environ:
     import atexit
     import shutil
