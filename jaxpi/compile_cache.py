@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,8 +53,6 @@ def enable() -> Path | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        import sys
-
         print(f"jaxpi: compilation cache off ({path}: {e.strerror}); set {ENV}=DIR or off", file=sys.stderr)
         return None
     import jax

@@ -86,21 +86,18 @@ def command(sft_dir: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-CACHE: dict[str, Path] = {}  # this module's compilation cache (set by the `runs` fixture)
-
-
-def environ() -> dict[str, str]:
+def environ(cache: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
-    if "dir" in CACHE:  # every program stored, so that a resume compiling anything shows
-        env["JAXPI_COMPILE_CACHE"] = str(CACHE["dir"])
+    if cache is not None:  # every program stored, so that a resume compiling anything shows
+        env["JAXPI_COMPILE_CACHE"] = str(cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 
-def compiled_programs() -> set[str]:
-    return {p.name for p in CACHE["dir"].glob("*-cache")}
+def compiled_programs(cache: Path) -> set[str]:
+    return {p.name for p in cache.glob("*-cache")}
 
 
 def lines(path: Path) -> list[dict]:
@@ -128,11 +125,11 @@ def runs(sft_dir, tmp_path_factory):
     finished its first update (every program compiled and in the test run's compilation cache,
     tests/conftest.py), the two then run side by side, and it is SIGKILLed after 2 updates."""
     root = tmp_path_factory.mktemp("grpo")
-    CACHE["dir"] = root / "jax-cache"
+    cache = root / "jax-cache"
     straight_out, killed_out = root / "straight", root / "killed"
     log = (root / "straight.stderr").open("w")
     p_straight = subprocess.Popen(
-        command(sft_dir, straight_out), env=environ(), stdout=subprocess.PIPE, stderr=log, text=True
+        command(sft_dir, straight_out), env=environ(cache), stdout=subprocess.PIPE, stderr=log, text=True
     )
     deadline = time.time() + 900
     while (
@@ -140,7 +137,7 @@ def runs(sft_dir, tmp_path_factory):
     ):
         time.sleep(0.2)
     p_killed = subprocess.Popen(
-        command(sft_dir, killed_out), env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command(sft_dir, killed_out), env=environ(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     kill_after(p_killed, killed_out / "metrics.jsonl", 2)
     stdout, _ = p_straight.communicate(timeout=900)
@@ -149,6 +146,7 @@ def runs(sft_dir, tmp_path_factory):
     return {
         "straight": (straight_out, json.loads(stdout)),
         "killed": (killed_out, p_killed.returncode),
+        "cache": cache,
     }
 
 
@@ -207,14 +205,15 @@ def test_resume_after_sigkill_is_exact(runs, sft_dir):
     out_straight, _ = runs["straight"]
     out, returncode = runs["killed"]
     assert returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    programs = compiled_programs()
+    programs = compiled_programs(runs["cache"])
+    assert programs, "`jaxpi grpo` stored no compiled program"
     resumed = subprocess.run(
-        command(sft_dir, out), env=environ(), capture_output=True, text=True, timeout=900
+        command(sft_dir, out), env=environ(runs["cache"]), capture_output=True, text=True, timeout=900
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout)["resumed_from"] >= 1
     # Restored state lowers like fresh state: the resume loaded every program from the cache.
-    assert compiled_programs() == programs
+    assert compiled_programs(runs["cache"]) == programs
     a, b = lines(out_straight / "metrics.jsonl"), lines(out / "metrics.jsonl")
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in a] == [
         (m["step"], m["loss"], m["grad_norm"]) for m in b
