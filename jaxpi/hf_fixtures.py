@@ -185,3 +185,17 @@ def seeded_noise(state: Any, seed: int = 0) -> Any:
         return var.replace(jnp.asarray(value, var.get_value().dtype))
 
     return jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def random_jax_model(cfg: QwenConfig = TINY, seed: int = 0, dtype: Any = "float32") -> Any:
+    """A jaxpi `Qwen3_5ForCausalLM` of `cfg` with `seeded_noise` in every weight. Built abstractly
+    and filled on the host: on CPU, running the initialisers (`rngs=nnx.Rngs(...)`) compiles a
+    random-number program per parameter shape, ~7 s for the tiny model."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return nnx.merge(graphdef, seeded_noise(state, seed))

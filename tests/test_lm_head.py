@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from jaxpi import TINY
+from jaxpi.hf_fixtures import random_jax_model, seeded_noise
 from jaxpi.kernels.lm_head import target_logprobs
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
-from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.rl.loss import sequence_logprobs
 from jaxpi.train.sft import ModelConfig
 from jaxpi.train.step import next_token_loss
@@ -74,13 +74,10 @@ def models():
     depth does not matter here: the chunking is all after the last layer)."""
     out = {}
     for chunk in (0, 16):
-        m = Qwen3_5ForCausalLM(TINY.replace(num_hidden_layers=1, loss_chunk=chunk), rngs=nnx.Rngs(0))
+        m = random_jax_model(TINY.replace(num_hidden_layers=1, loss_chunk=chunk))
         add_lora(m, LoraConfig(rank=4, alpha=8.0), key=jax.random.key(1))
-        state = nnx.state(m, LoRAParam)
-        for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-            if str(path[-1]).startswith("lora_b_"):
-                var.set_value(0.05 * jax.random.normal(jax.random.key(i), var.get_value().shape))
-        nnx.update(m, state)
+        # B non-zero: the same seeded noise as every other weight (no per-shape RNG compiles)
+        nnx.update(m, seeded_noise(nnx.state(m, LoRAParam), seed=1))
         out[chunk] = m
     return out
 

@@ -5,11 +5,9 @@ import json
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from etils import epath
-from flax import nnx
 
 from jaxpi.data.pipeline import (
     PipelineConfig,
@@ -376,10 +374,10 @@ def test_eval_iterator_is_one_padded_deterministic_pass():
 # ---- agreement with the model and the loss --------------------------------------------------------
 def test_packed_rows_match_the_model_run_on_each_example_alone():
     from jaxpi.config import TINY
-    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.hf_fixtures import random_jax_model
     from jaxpi.train.step import next_token_loss
 
-    model = Qwen3_5ForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = random_jax_model(TINY)
     seq = 48  # segments start inside and across the DeltaNet's 16-token chunks
     rng = np.random.default_rng(20)
     lengths = [13, 21, 9, 30, 5, 17, 26, 11]

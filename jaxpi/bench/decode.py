@@ -12,9 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpi.bench.config import BenchConfig
 from jaxpi.bench.timing import figure, timed
@@ -22,13 +20,9 @@ from jaxpi.bench.timing import figure, timed
 
 def random_model(bench: BenchConfig) -> Any:
     """The bench model with seeded noise in every weight (no initialisers run)."""
-    from jaxpi.hf_fixtures import seeded_noise
-    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.hf_fixtures import random_jax_model
 
-    dtype = jnp.dtype(bench.dtype)
-    abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(bench.model, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    return nnx.merge(graphdef, seeded_noise(state, bench.seed))
+    return random_jax_model(bench.model, bench.seed, bench.dtype)
 
 
 def decode_bench(
