@@ -100,3 +100,25 @@ def test_an_unwritable_directory_turns_the_cache_off(clean_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["path"] == "None"
     assert "compilation cache off" in proc.stderr
+
+
+def test_bench_compile_bypasses_a_cache_jax_was_given(clean_env, tmp_path):
+    """`jaxpi bench compile` times compiles: with JAX's own cache variable set (which jaxpi leaves to
+    JAX), its step compiles inside `disabled()`, so nothing is written (and, by the test above,
+    nothing read)."""
+    cache = tmp_path / "jax-cache"
+    env = {**clean_env, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PLATFORMS": "cpu"}
+    argv = ["bench", "compile", "--preset", "tiny", "--layers", "1", "--seq", "16", "--repeats", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpi.cli", *argv, "--warmup", "1", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["results"]["compile"]["layers"]["1"]["compile_s"]["median"] > 0
+    assert not list(cache.glob("*")), list(cache.glob("*"))  # (without disabled(): jit__lambda-...-cache)
+    probe(env)  # the same environment does cache an ordinary compile
+    assert list(cache.glob("*-cache"))
