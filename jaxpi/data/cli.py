@@ -2,16 +2,28 @@
 
 Prints the gate report (sessions, admitted, counts per reason, file:line of every exclusion) and
 token statistics (examples, tokens, supervised tokens, reasoning tokens; in all and per effort).
-Exit status 0 when at least one example was produced, 1 when none was.
+Malformed records never stop the check: each is reported at its `file:line` and the check goes
+on with the next line and the next file. Exit status 0 when at least one example was produced,
+1 when none was, 2 for a bad invocation (an unknown option, a path that does not exist) or, with
+--strict, at the first unreadable record.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 _DEFAULT_TOKENIZER = "the bundled tiny tokenizer"
+
+
+def _bytes(text: str) -> int:
+    """A positive byte count: 4194304, 4MiB, 4MB (binary units either way), 512K."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size in bytes: {text!r} (e.g. 4MiB, 65536)")
+    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
 
 
 def add_subparser(sub: Any) -> None:
@@ -36,6 +48,18 @@ def add_subparser(sub: Any) -> None:
     chk.add_argument("--min-turns", type=int, default=1, help="minimum assistant turns")
     chk.add_argument("--max-turns", type=int, default=None, help="maximum assistant turns")
     chk.add_argument("--max-tokens", type=int, default=None, help="longest rendered example allowed")
+    chk.add_argument(
+        "--max-line-bytes",
+        type=_bytes,
+        default=None,
+        help="longest line read; longer ones are rejected unread (default 4MiB)",
+    )
+    chk.add_argument(
+        "--max-session-bytes",
+        type=_bytes,
+        default=None,
+        help="largest Pi session file read (default 64MiB)",
+    )
     chk.add_argument("--strict", action="store_true", help="stop at the first unreadable record")
     chk.add_argument("--json", action="store_true", help="print one JSON object")
     chk.set_defaults(fn=cmd_data_check)
@@ -43,6 +67,7 @@ def add_subparser(sub: Any) -> None:
 
 def cmd_data_check(args: argparse.Namespace) -> int:
     from jaxpi.data import TINY_TOKENIZER, GateConfig, RenderConfig, build_examples, token_stats
+    from jaxpi.data.sessions import ReadLimits
 
     gate = GateConfig(
         require_verified=not args.allow_unverified,
@@ -52,7 +77,9 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     render = RenderConfig(tokenizer_dir=args.tokenizer or TINY_TOKENIZER)
-    examples, report = build_examples(args.paths, render, gate, strict=args.strict)
+    sizes = {"max_line_bytes": args.max_line_bytes, "max_session_bytes": args.max_session_bytes}
+    limits = ReadLimits(**{k: v for k, v in sizes.items() if v is not None})
+    examples, report = build_examples(args.paths, render, gate, strict=args.strict, limits=limits)
     stats = token_stats(examples)
     longest = max((e.num_tokens for e in examples), default=0)
     if args.json:

@@ -6,9 +6,16 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+
 from jaxpi.data.gates import GateConfig, GateReport, admit
 from jaxpi.data.render import Example, RenderConfig, RenderError, load_tokenizer, render_session
-from jaxpi.data.sessions import read_sessions
+from jaxpi.data.sessions import ReadLimits, read_sessions
+
+# What a chat template can raise on one odd session (its own `raise_exception`, a filter applied to
+# a value it did not expect, a structure nested beyond the recursion limit): that session is
+# excluded with the error, the others are still rendered.
+_RENDER_FAILURES = (TemplateError, TypeError, ValueError, KeyError, AttributeError, RecursionError)
 
 
 def build_examples(
@@ -17,19 +24,21 @@ def build_examples(
     gate_cfg: GateConfig | None = None,
     *,
     strict: bool = False,
+    limits: ReadLimits | None = None,
 ) -> tuple[list[Example], GateReport]:
     """Read, gate, render; the token limit is applied after rendering (any example too long
     excludes its whole session, so a session is never trained on in part)."""
     gate_cfg = gate_cfg or GateConfig()
-    sessions, rejections = read_sessions(paths, strict=strict)
+    sessions, rejections = read_sessions(paths, strict=strict, limits=limits)
     admitted, report = admit(sessions, gate_cfg, rejections)
     tok = load_tokenizer(render_cfg.tokenizer_dir)
     examples: list[Example] = []
     for s in admitted:
         try:
             rendered = render_session(s, tok, render_cfg)
-        except RenderError as e:  # e.g. reasoning in a turn rendered with thinking off
-            report.exclude(s.meta.source, {"render_error": str(e)})
+        except _RENDER_FAILURES as e:  # e.g. reasoning in a turn rendered with thinking off
+            detail = str(e) if isinstance(e, RenderError) else f"{s.meta.source}: {type(e).__name__}: {e}"
+            report.exclude(s.meta.source, {"render_error": detail[:500]})
             report.admitted -= 1
             continue
         longest = max((e.num_tokens for e in rendered), default=0)

@@ -5,6 +5,9 @@ unknown tool names, arguments that break the tool's schema, a tool call without 
 without a call, an empty assistant turn, a conversation that does not end with the assistant.
 `GateConfig` adds policy: the verifier must have passed, the effort level must be allowed, the
 number of assistant turns and (after rendering) the token count must be in range.
+
+A fault in the conversation is reported at the `file:line` its message was read from (an OpenAI
+record is one line; its detail then says which message); policy faults name the session.
 """
 
 from __future__ import annotations
@@ -55,24 +58,30 @@ class GateReport:
     reasons: Counter = field(default_factory=Counter)
     excluded: list[Rejection] = field(default_factory=list)
 
-    def exclude(self, source: str, reasons: dict[str, str]) -> None:
-        """Record one excluded session with its reasons (reason -> detail)."""
+    def exclude(self, source: str, reasons: dict[str, str], where: dict[str, str] | None = None) -> None:
+        """Record one excluded session (`source`) with its reasons (reason -> detail); `where`
+        maps a reason to the `file:line` it was found at, when that is more precise than `source`."""
+        where = where or {}
         self.reasons.update(reasons.keys())
-        self.excluded += [Rejection(source, r, d) for r, d in reasons.items()]
+        self.excluded += [Rejection(where.get(r, source), r, d, session=source) for r, d in reasons.items()]
 
     def add_read_rejections(self, rejections: Iterable[Rejection]) -> None:
         """Count records that never became sessions (undecodable lines, images, ...)."""
         for r in rejections:
             self.total += 1
-            self.exclude(r.source, {r.reason: r.detail})
+            self.reasons[r.reason] += 1
+            self.excluded.append(Rejection(r.source, r.reason, r.detail, session=r.session or r.source))
 
     def to_dict(self) -> dict:
         return {
             "total": self.total,
             "admitted": self.admitted,
-            "excluded_sessions": len({r.source for r in self.excluded}),
+            "excluded_sessions": len({r.session or r.source for r in self.excluded}),
             "reasons": dict(sorted(self.reasons.items())),
-            "excluded": [{"source": r.source, "reason": r.reason, "detail": r.detail} for r in self.excluded],
+            "excluded": [
+                {"source": r.source, "reason": r.reason, "detail": r.detail, "session": r.session or r.source}
+                for r in self.excluded
+            ],
         }
 
     def table(self) -> str:
@@ -84,21 +93,34 @@ class GateReport:
 
 def structure_faults(session: Session) -> dict[str, str]:
     """Faults in the conversation itself, reason -> first detail; empty when well formed."""
-    faults: dict[str, str] = {}
+    return {reason: detail for reason, (_, detail) in _structure_faults(session).items()}
 
-    def add(reason: str, detail: str) -> None:
-        faults.setdefault(reason, detail)
 
-    schemas = tool_schemas(session.tools)
+def _structure_faults(session: Session) -> dict[str, tuple[int, str]]:
+    """reason -> (index of the message at fault, detail) of each reason's first fault."""
+    faults: dict[str, tuple[int, str]] = {}
+
+    def add(reason: str, i: int, detail: str) -> None:
+        faults.setdefault(reason, (i, detail))
+
+    msgs = session.messages
+    try:
+        schemas = tool_schemas(session.tools)
+    except ValueError as e:
+        add("bad_tool_schema", 0, f"the tool list is malformed: {e}")
+        return faults
     # Calls must be answered before the conversation moves on: Pi runs every call of a turn and
     # appends its results right after it, so anything else is a broken or hand-edited log.
     open_calls: dict[str, str] = {}  # tool_call_id -> tool name, awaiting a result
-    msgs = session.messages
     for i, m in enumerate(msgs):
         role = m["role"]
         if role == "assistant":
             if open_calls:
-                add("call_without_result", f"message {i}: earlier call(s) {sorted(open_calls)} got no result")
+                add(
+                    "call_without_result",
+                    i,
+                    f"message {i}: earlier call(s) {sorted(open_calls)} got no result",
+                )
                 open_calls.clear()
             calls = m.get("tool_calls") or []
             if (
@@ -106,31 +128,43 @@ def structure_faults(session: Session) -> dict[str, str]:
                 and not calls
                 and not (m.get("reasoning_content") or "").strip()
             ):
-                add("empty_assistant_turn", f"message {i}: no text, reasoning or tool call")
+                add("empty_assistant_turn", i, f"message {i}: no text, reasoning or tool call")
             # reasoning alone ends the turn without acting or answering: nothing useful to imitate
             elif not (m.get("content") or "").strip() and not calls:
-                add("empty_assistant_turn", f"message {i}: reasoning only, no answer or tool call")
+                add("empty_assistant_turn", i, f"message {i}: reasoning only, no answer or tool call")
             for c in calls:
                 name, args = c["function"]["name"], c["function"]["arguments"]
                 if name not in schemas:
-                    add("unknown_tool", f"message {i}: {name!r} is not one of {sorted(schemas)}")
+                    add("unknown_tool", i, f"message {i}: {name!r} is not one of {sorted(schemas)}")
                 else:
-                    errors = validate(schemas[name], args, f"{name}.arguments")
+                    try:
+                        errors = validate(schemas[name], args, f"{name}.arguments")
+                    except ValueError as e:  # the session's own tool schema is outside what we check
+                        add("bad_tool_schema", i, f"message {i}: tool {name!r}: {e}")
+                        errors = []
                     if errors:
-                        add("bad_arguments", f"message {i}: " + "; ".join(errors))
+                        add("bad_arguments", i, f"message {i}: " + "; ".join(errors))
                 open_calls[c.get("id", "")] = name
         elif role == "tool":
             cid = m.get("tool_call_id")
             if cid not in open_calls:
-                add("result_without_call", f"message {i}: tool_call_id {cid!r} answers no open call")
+                add("result_without_call", i, f"message {i}: tool_call_id {cid!r} answers no open call")
             open_calls.pop(cid, None)
         elif open_calls:
-            add("call_without_result", f"message {i}: {role} message before results of {sorted(open_calls)}")
+            add(
+                "call_without_result",
+                i,
+                f"message {i}: {role} message before results of {sorted(open_calls)}",
+            )
             open_calls.clear()
     if open_calls:
-        add("call_without_result", f"end: call(s) {sorted(open_calls)} got no result")
+        add("call_without_result", len(msgs) - 1, f"end: call(s) {sorted(open_calls)} got no result")
     if not msgs or msgs[-1]["role"] != "assistant":
-        add("not_ending_with_assistant", f"last message is {msgs[-1]['role'] if msgs else 'absent'}")
+        add(
+            "not_ending_with_assistant",
+            len(msgs) - 1,
+            f"last message is {msgs[-1]['role'] if msgs else 'absent'}",
+        )
     return faults
 
 
@@ -164,9 +198,10 @@ def admit(
     admitted = []
     for s in sessions:
         report.total += 1
-        faults = structure_faults(s) | policy_faults(s, cfg)
+        located = _structure_faults(s)
+        faults = {r: d for r, (_, d) in located.items()} | policy_faults(s, cfg)
         if faults:
-            report.exclude(s.meta.source, faults)
+            report.exclude(s.meta.source, faults, {r: s.location(i) for r, (i, _) in located.items()})
         else:
             admitted.append(s)
     report.admitted = len(admitted)

@@ -25,18 +25,31 @@ For OpenAI records the `meta` object of the record holds the same keys.
 
 Everything is normalised to `Session.messages` in transformers chat form: roles system/user/
 assistant/tool, assistant `content` (str), optional `reasoning_content` (str) and `tool_calls`
-whose `function.arguments` is always a dict. Sessions we cannot represent (images, assistant turns
-that errored) are not read errors: they come back as `Rejection`s with a reason, like undecodable
-lines and missing fields, each naming file and line.
+whose `function.arguments` is always a dict.
+
+Every field we read goes through a strict typed schema (pydantic, no coercion: `"false"` is not a
+boolean, `3` is not a string), so a record either reads exactly as written or is rejected. Sessions
+we cannot represent (images, assistant turns that errored) are not read errors either: like
+undecodable bytes, invalid JSON, wrongly typed or missing fields and over-long lines they come back
+as `Rejection`s with a reason key and a detail, each naming `file:line` (a sidecar by its own
+path). Nothing in a file ends the read of the next line or the next file. Lines are split on "\\n"
+only (JSON strings may hold U+2028 and other Unicode line breaks raw), read at most
+`ReadLimits.max_line_bytes` at a time, and a Pi file stops being read once it passes
+`ReadLimits.max_session_bytes`.
 """
 
+# ruff: noqa: N815 (the schemas' field names are Pi's JSON keys: parentId, toolCallId, ...)
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
 
 # Pi's context preambles (dist/core/messages.js), so summaries read as the model saw them.
 COMPACTION_PREFIX = (
@@ -48,10 +61,50 @@ BRANCH_SUFFIX = "</summary>"
 ATTEMPT_TYPE = "jaxpi.attempt"
 # a turn cut by the length limit never produced its end-of-turn token; errors and aborts are not behaviour
 _BAD_STOPS = ("error", "aborted", "length")
+# Why a record was not read (Rejection.reason); the gates add their own (jaxpi.data.gates).
+READ_REASONS = (
+    "unreadable_file",  # the file could not be opened or read (permissions, I/O error)
+    "line_too_long",  # a line over ReadLimits.max_line_bytes
+    "session_too_large",  # a Pi file over ReadLimits.max_session_bytes
+    "invalid_utf8",  # bytes that are not UTF-8 text
+    "invalid_json",  # text that is not one JSON value (or nests deeper than the parser allows)
+    "missing_field",  # a required field is absent
+    "bad_field",  # a field of the wrong type or an unknown value (role, block type)
+    "bad_arguments",  # OpenAI tool-call arguments that are not a JSON object
+    "unsupported_version",  # a Pi header that is not version 3
+    "empty_session",  # a Pi header without entries
+    "duplicate_id",  # two Pi entries with one id
+    "unknown_parent",  # a parentId that names no entry
+    "cycle",  # parentId links that loop
+    "image_content",  # image blocks: not trainable here
+    "assistant_error",  # an assistant turn that stopped with an error, an abort or the length limit
+    "bad_sidecar",  # `<file>.meta.json` unreadable or wrongly typed
+)
 
 
 class DataError(ValueError):
     """A record that cannot be read; the message starts with `file:line`."""
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """Caps on what the reader takes in, so that a hostile file costs milliseconds, not minutes.
+
+    max_line_bytes: longest line (one Pi entry, one OpenAI record) read; a longer one is rejected
+      (`line_too_long`) after skipping it in chunks, never held whole. The default, 4 MiB, is
+      about a million tokens: several times Qwen3.5's whole context in one entry.
+    max_session_bytes: largest Pi session file read (`session_too_large`); a Pi file keeps every
+      branch and everything before a compaction, so this is generous.
+    """
+
+    max_line_bytes: int = 4 * 2**20
+    max_session_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        for name in ("max_line_bytes", "max_session_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ReadLimits.{name} must be a positive integer, not {v!r}")
 
 
 @dataclass(frozen=True)
@@ -66,20 +119,36 @@ class SessionMeta:
 
 @dataclass(frozen=True)
 class Session:
-    """One conversation in transformers chat form (see the module docstring)."""
+    """One conversation in transformers chat form (see the module docstring).
+
+    `locations[i]` is the `file:line` that message i was read from (empty for sessions built in
+    code), so that later checks can name the line of a fault.
+    """
 
     messages: list[dict]
     tools: list[dict] | None
     meta: SessionMeta
+    locations: tuple[str, ...] = ()
+
+    def location(self, i: int) -> str:
+        """`file:line` of message `i` (the session's source when unknown)."""
+        if self.locations and -len(self.locations) <= i < len(self.locations):
+            return self.locations[i]
+        return self.meta.source
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """A record that was not turned into a Session: `reason` is a short key, `detail` says why."""
+    """A record that was not turned into a Session (or a session the gates excluded).
+
+    `reason` is a short key, `detail` says why, `source` names where (`file:line`, or the sidecar's
+    path); `session` is the session's own source when that differs from `source`.
+    """
 
     source: str
     reason: str
     detail: str = ""
+    session: str = ""
 
 
 class _RecordError(Exception):
@@ -102,13 +171,14 @@ def find_jsonl(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def read_sessions(
-    paths: Iterable[str | Path], *, strict: bool = False
+    paths: Iterable[str | Path], *, strict: bool = False, limits: ReadLimits | None = None
 ) -> tuple[list[Session], list[Rejection]]:
     """Read every session under `paths`; bad records become Rejections (or DataError if `strict`)."""
+    limits = limits or ReadLimits()
     sessions: list[Session] = []
     rejections: list[Rejection] = []
     for path in find_jsonl(paths):
-        for item in _read_file(path):
+        for item in _read_file(path, limits):
             if isinstance(item, Session):
                 sessions.append(item)
             elif strict:
@@ -118,64 +188,437 @@ def read_sessions(
     return sessions, rejections
 
 
-def _read_file(path: Path) -> Iterator[Session | Rejection]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    first = next((ln for ln in lines if ln.strip()), "")
+# ---------------------------------------------------------------------------------------------
+# Lines: bytes -> JSON values, each fault named by its line
+
+
+@dataclass(frozen=True)
+class _Line:
+    no: int
+    size: int  # bytes, newline included
+    value: Any = None
+    fault: tuple[str, str] | None = None  # (reason, detail)
+    blank: bool = False
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads accepts NaN/Infinity; JSON does not
+
+
+def _parse(raw: bytes, first: bool) -> tuple[Any, tuple[str, str] | None]:
+    """(value, None) or (None, (reason, detail)) for one line's bytes."""
+    if first and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
     try:
-        is_pi = json.loads(first).get("type") == "session"
-    except (json.JSONDecodeError, AttributeError):
-        is_pi = False
-    if is_pi:
-        try:
-            yield _pi_session(path, lines)
-        except _RecordError as r:
-            yield Rejection(f"{path}:{r.line}", r.reason, r.detail)
-        return
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, ("invalid_utf8", f"not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 4]!r})")
+    return _json(text)
+
+
+def _json(text: str) -> tuple[Any, tuple[str, str] | None]:
+    try:
+        return json.loads(text, parse_constant=_reject_constant), None
+    except json.JSONDecodeError as e:
+        return None, ("invalid_json", f"undecodable JSON ({e.msg} at column {e.colno})")
+    except ValueError as e:  # NaN/Infinity, integers longer than Python reads
+        return None, ("invalid_json", f"undecodable JSON ({e})")
+    except RecursionError:
+        return None, ("invalid_json", "JSON nested too deeply to read")
+
+
+def _lines(fh: IO[bytes], limits: ReadLimits) -> Iterator[_Line]:
+    cap = limits.max_line_bytes
+    no, first = 0, True
+    while True:
+        raw = fh.readline(cap + 2)  # room for "\r\n" after a line of exactly `cap` bytes
+        if not raw:
+            return
+        no += 1
+        size = len(raw)
+        body = raw[:-1] if raw.endswith(b"\n") else raw
+        body = body[:-1] if body.endswith(b"\r") else body
+        if len(body) > cap:
+            while not raw.endswith(b"\n"):  # skip the rest of the line without holding it
+                raw = fh.readline(1 << 20)
+                if not raw:
+                    break
+                size += len(raw)
+            yield _Line(no, size, fault=("line_too_long", f"line of {size} bytes > max_line_bytes {cap}"))
+            first = False
             continue
-        try:
-            yield _openai_record(path, i, line)
-        except _RecordError as r:
-            yield Rejection(f"{path}:{r.line}", r.reason, r.detail)
+        if not body.strip():
+            yield _Line(no, size, blank=True)
+            continue
+        value, fault = _parse(body, first)
+        first = False
+        yield _Line(no, size, value, fault)
+
+
+def _read_file(path: Path, limits: ReadLimits) -> Iterator[Session | Rejection]:
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below, also when the caller stops early
+    except OSError as e:
+        yield Rejection(str(path), "unreadable_file", f"cannot open: {e.strerror or e}")
+        return
+    try:
+        lines = _lines(fh, limits)
+        pending: list[_Line] = []
+        first = None
+        for ln in lines:
+            pending.append(ln)
+            if not ln.blank:
+                first = ln
+                break
+        if first is None:
+            return  # an empty file holds no sessions
+        v = first.value
+        if isinstance(v, dict) and v.get("type") == "session":
+            yield _pi_file(path, _chain(pending, lines), limits)
+            return
+        for ln in _chain(pending, lines):
+            if ln.blank:
+                continue
+            if ln.fault:
+                yield Rejection(f"{path}:{ln.no}", *ln.fault)
+                continue
+            try:
+                yield _openai_record(path, ln.no, ln.value)
+            except _RecordError as r:
+                yield Rejection(f"{path}:{r.line}", r.reason, r.detail)
+    except OSError as e:
+        yield Rejection(str(path), "unreadable_file", f"read failed: {e.strerror or e}")
+    finally:
+        fh.close()
+
+
+def _chain(first: list[_Line], rest: Iterator[_Line]) -> Iterator[_Line]:
+    yield from first
+    yield from rest
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed schemas: strict (no coercion), unknown keys ignored
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+def _content_value(v: Any) -> Any:
+    """A string or a list of block objects (the blocks are then checked one by one)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        for i, b in enumerate(v):
+            if not isinstance(b, dict):
+                raise PydanticCustomError(
+                    "content_type",
+                    "[{i}] must be a content block object, not {got}",
+                    {"i": i, "got": f"{_json_type(b)} {_short(b)}"},
+                )
+        return v
+    raise PydanticCustomError(
+        "content_type",
+        "must be a string or a list of content blocks, not {got}",
+        {"got": f"{_json_type(v)} {_short(v)}"},
+    )
+
+
+Content = Annotated[Any, AfterValidator(_content_value)]
+OptContent = Annotated[Any, AfterValidator(lambda v: None if v is None else _content_value(v))]
+
+
+class PiHeader(_Strict):
+    type: str
+    version: Any = None
+
+
+class PiEntry(_Strict):
+    type: str
+    id: str
+    parentId: str | None
+
+
+class PiThinkingLevel(PiEntry):
+    thinkingLevel: str | None = None
+
+
+class PiCompaction(PiEntry):
+    summary: str
+    firstKeptEntryId: str
+
+
+class PiBranchSummary(PiEntry):
+    summary: str | None = None
+
+
+class PiCustomMessage(PiEntry):
+    content: Content
+
+
+class PiCustom(PiEntry):
+    customType: str | None = None
+    data: Any = None
+
+
+class PiMessageEntry(PiEntry):
+    message: dict[str, Any]
+
+
+class Role(_Strict):
+    role: str
+
+
+class PiUser(_Strict):
+    content: Content
+
+
+class PiAssistant(_Strict):
+    content: list[dict[str, Any]]
+    stopReason: str | None = None
+
+
+class PiToolResult(_Strict):
+    toolCallId: str
+    toolName: str = ""
+    content: Content
+
+
+class PiBashExecution(_Strict):
+    command: str = ""
+    output: str = ""
+    exitCode: int | None = None
+    cancelled: bool | None = None
+    truncated: bool | None = None
+    fullOutputPath: str | None = None
+    excludeFromContext: bool | None = None
+
+
+class PiSummaryMessage(_Strict):  # roles custom / branchSummary / compactionSummary
+    content: OptContent = None
+    summary: str | None = None
+
+
+class Block(_Strict):
+    type: str
+
+
+class TextBlock(_Strict):
+    text: str
+
+
+class ThinkingBlock(_Strict):
+    thinking: str = ""
+
+
+class ToolCallBlock(_Strict):
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class AttemptMeta(_Strict):
+    """`jaxpi.attempt` data, a sidecar, or an OpenAI record's `meta` (other keys are ignored)."""
+
+    task_id: str | None = None
+    verified: bool | None = None
+    effort: str | None = None
+
+
+class OARecord(_Strict):
+    messages: list[Any]
+    tools: list[Any] | None = None
+    meta: dict[str, Any] | None = None
+
+
+class OAMessage(_Strict):
+    role: str
+    content: OptContent = None
+
+
+class OAAssistant(OAMessage):
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class OAToolMessage(OAMessage):
+    tool_call_id: str
+    name: str | None = None
+
+
+class OAPart(_Strict):
+    type: str | None = None
+    text: str = ""
+
+
+class OAFunction(_Strict):
+    name: str
+    arguments: Any = None
+
+
+class OAToolCall(_Strict):
+    id: str = ""
+    type: str | None = None
+    function: dict[str, Any]
+
+
+class ToolFunction(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(_Strict):
+    type: str | None = None
+    function: dict[str, Any]
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_EXPECTED = {
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "dict_type": "an object",
+    "list_type": "an array",
+    "model_type": "an object",
+}
+
+
+def _json_type(v: Any) -> str:
+    return "null" if v is None else _JSON_TYPES.get(type(v), type(v).__name__)
+
+
+def _short(v: Any, n: int = 60) -> str:
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(v)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _path(where: str, loc: tuple) -> str:
+    out = where
+    for k in loc:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _typed(model: type[M], value: Any, line: int, where: str = "") -> M:
+    """`value` validated against `model`; the first fault names its field path and what it got."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+    err = errs[0]
+    field = _path(where, tuple(err["loc"])) or "record"
+    if err["type"] == "missing":
+        reason, detail = "missing_field", f"missing {field!r}"
+    elif err["type"] == "content_type":
+        reason, detail = "bad_field", f"{field}{'' if err['msg'].startswith('[') else ' '}{err['msg']}"
+    else:
+        got = err["input"]
+        want = _EXPECTED.get(err["type"])
+        what = f"must be {want}" if want else err["msg"].lower()
+        reason, detail = "bad_field", f"{field} {what}, not {_json_type(got)} {_short(got)}"
+    if len(errs) > 1:
+        detail += f" (and {len(errs) - 1} more)"
+    raise _RecordError(line, reason, detail)
+
+
+def _need_dict(value: Any, line: int, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise _RecordError(
+            line, "bad_field", f"{where} must be an object, not {_json_type(value)} {_short(value)}"
+        )
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
 # Pi session files
 
 
-def _pi_session(path: Path, lines: list[str]) -> Session:
-    entries: list[tuple[int, dict]] = []
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+def _pi_file(path: Path, lines: Iterator[_Line], limits: ReadLimits) -> Session | Rejection:
+    """One Pi file is one session: its first fault rejects it (later faults are counted)."""
+    entries: list[tuple[int, Any]] = []
+    faults: list[tuple[int, str, str]] = []
+    total = 0
+    for ln in lines:
+        total += ln.size
+        if total > limits.max_session_bytes:
+            return Rejection(
+                f"{path}:{ln.no}",
+                "session_too_large",
+                f"session passes max_session_bytes {limits.max_session_bytes} at this line",
+            )
+        if ln.fault:
+            faults.append((ln.no, *ln.fault))
+        elif not ln.blank:
+            entries.append((ln.no, ln.value))
+    try:
+        session = _pi_session(path, entries, faults)
+    except _RecordError as r:
+        if (r.line, r.reason, r.detail) not in faults:
+            faults.append((r.line, r.reason, r.detail))
+    except _SidecarError as e:
+        return Rejection(str(e.path), "bad_sidecar", e.detail, session=str(path))
+    if faults:
+        line, reason, detail = min(faults)
+        others = sorted({ln for ln, _, _ in faults} - {line})
+        if others:
+            shown = ", ".join(map(str, others[:5])) + (", ..." if len(others) > 5 else "")
+            detail += f" (and faults on {len(others)} more lines: {shown})"
+        return Rejection(f"{path}:{line}", reason, detail)
+    return session
+
+
+def _pi_entry(line: int, obj: Any) -> PiEntry:
+    obj = _need_dict(obj, line, "entry")
+    base = _typed(PiEntry, obj, line)
+    model = {
+        "thinking_level_change": PiThinkingLevel,
+        "compaction": PiCompaction,
+        "branch_summary": PiBranchSummary,
+        "custom_message": PiCustomMessage,
+        "custom": PiCustom,
+        "message": PiMessageEntry,
+    }.get(base.type)
+    return base if model is None else _typed(model, obj, line)
+
+
+def _pi_session(path: Path, lines: list[tuple[int, Any]], faults: list) -> Session:
+    if not lines:
+        raise _RecordError(1, "empty_session", "no entries")
+    header_line, raw_header = lines[0]
+    header = _typed(PiHeader, _need_dict(raw_header, header_line, "header"), header_line)
+    if type(header.version) is not int or header.version != 3:
+        raise _RecordError(header_line, "unsupported_version", f"session version {header.version!r}, not 3")
+    body: list[tuple[int, PiEntry]] = []
+    for ln, obj in lines[1:]:
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _RecordError(i, "invalid_json", f"undecodable JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict) or "type" not in obj:
-            raise _RecordError(i, "missing_field", "entry is not an object with a 'type'")
-        entries.append((i, obj))
-    header_line, header = entries[0]
-    if header.get("version") != 3:
-        raise _RecordError(
-            header_line, "unsupported_version", f"session version {header.get('version')!r}, not 3"
-        )
-    body = entries[1:]
+            body.append((ln, _pi_entry(ln, obj)))
+        except _RecordError as r:
+            faults.append((r.line, r.reason, r.detail))  # go on: every faulty line is counted
+    if faults:
+        raise _RecordError(*min(faults))
     if not body:
         raise _RecordError(header_line, "empty_session", "header without entries")
-    by_id: dict[str, tuple[int, dict]] = {}
+    by_id: dict[str, tuple[int, PiEntry]] = {}
     for ln, e in body:
-        if "id" not in e or "parentId" not in e:
-            raise _RecordError(ln, "missing_field", f"{e['type']} entry without 'id'/'parentId'")
-        by_id[e["id"]] = (ln, e)
-    path_entries: list[tuple[int, dict]] = []
-    cur: tuple[int, dict] | None = body[-1]
+        if e.id in by_id:
+            raise _RecordError(ln, "duplicate_id", f"entry id {e.id!r} is also used on line {by_id[e.id][0]}")
+        by_id[e.id] = (ln, e)
+    path_entries: list[tuple[int, PiEntry]] = []
+    cur: tuple[int, PiEntry] | None = body[-1]
     while cur is not None:
         path_entries.append(cur)
-        parent = cur[1]["parentId"]
+        parent = cur[1].parentId
         if parent is not None and parent not in by_id:
-            raise _RecordError(cur[0], "missing_field", f"parentId {parent!r} names no entry")
+            raise _RecordError(cur[0], "unknown_parent", f"parentId {parent!r} names no entry")
         cur = by_id[parent] if parent is not None else None
         if len(path_entries) > len(body):
             raise _RecordError(body[-1][0], "cycle", "parentId links form a cycle")
@@ -183,129 +626,149 @@ def _pi_session(path: Path, lines: list[str]) -> Session:
 
     meta: dict[str, Any] = {}
     compaction_at = None
-    for k, (_, e) in enumerate(path_entries):
-        if e["type"] == "thinking_level_change":
-            meta["effort"] = e.get("thinkingLevel")
-        elif e["type"] == "compaction":
+    for k, (ln, e) in enumerate(path_entries):
+        if isinstance(e, PiThinkingLevel):
+            meta["effort"] = e.thinkingLevel
+        elif isinstance(e, PiCompaction):
             compaction_at = k
-        elif e["type"] == "custom" and e.get("customType") == ATTEMPT_TYPE:
-            data = e.get("data") or {}
-            meta.update({k2: data[k2] for k2 in ("task_id", "verified", "effort") if k2 in data})
-    sidecar = path.with_name(path.name + ".meta.json")
-    if sidecar.exists():
-        meta.update(json.loads(sidecar.read_text(encoding="utf-8")))
+        elif isinstance(e, PiCustom) and e.customType == ATTEMPT_TYPE:
+            data = _typed(AttemptMeta, {} if e.data is None else e.data, ln, "data")
+            meta.update(data.model_dump(include=data.model_fields_set))
 
     context = path_entries
     messages: list[dict] = []
+    where: list[int] = []
     if compaction_at is not None:
         ln, comp = path_entries[compaction_at]
-        _need(comp, ("summary", "firstKeptEntryId"), ln)
-        messages.append({"role": "user", "content": COMPACTION_PREFIX + comp["summary"] + COMPACTION_SUFFIX})
+        assert isinstance(comp, PiCompaction)
+        messages.append({"role": "user", "content": COMPACTION_PREFIX + comp.summary + COMPACTION_SUFFIX})
+        where.append(ln)
         before = path_entries[:compaction_at]
-        ids = [e["id"] for _, e in before]
-        kept = before[ids.index(comp["firstKeptEntryId"]) :] if comp["firstKeptEntryId"] in ids else []
+        ids = [e.id for _, e in before]
+        kept = before[ids.index(comp.firstKeptEntryId) :] if comp.firstKeptEntryId in ids else []
         context = kept + path_entries[compaction_at + 1 :]
     for ln, e in context:
-        messages += _pi_entry_messages(ln, e)
-    return Session(messages=messages, tools=None, meta=_meta(str(path), meta, ln=header_line))
+        new = _pi_entry_messages(ln, e)
+        messages += new
+        where += [ln] * len(new)
+    sidecar = _sidecar(path)
+    if sidecar is not None:
+        meta.update(sidecar)
+    return Session(
+        messages=messages,
+        tools=None,
+        meta=SessionMeta(source=str(path), **meta),
+        locations=tuple(f"{path}:{ln}" for ln in where),
+    )
 
 
-def _need(obj: dict, keys: tuple[str, ...], line: int) -> None:
-    missing = [k for k in keys if k not in obj]
-    if missing:
-        raise _RecordError(line, "missing_field", f"missing {', '.join(map(repr, missing))}")
+def _sidecar(path: Path) -> dict[str, Any] | None:
+    """The typed keys a `<file>.meta.json` sets, or None without one; faults name the sidecar."""
+    sidecar = path.with_name(path.name + ".meta.json")
+    if not sidecar.exists():
+        return None
+    try:
+        with open(sidecar, "rb") as fh:
+            raw = fh.read(2**20 + 1)
+    except OSError as e:
+        raise _SidecarError(sidecar, f"cannot read: {e.strerror or e}") from None
+    if len(raw) > 2**20:
+        raise _SidecarError(sidecar, "larger than 1 MiB")
+    value, fault = _parse(raw, first=True)
+    if fault:
+        raise _SidecarError(sidecar, fault[1])
+    try:
+        meta = _typed(AttemptMeta, _need_dict(value, 1, "sidecar"), 1)
+    except _RecordError as r:
+        raise _SidecarError(sidecar, r.detail) from None
+    return meta.model_dump(include=meta.model_fields_set)
 
 
-def _pi_text(content: Any, line: int) -> str:
+class _SidecarError(Exception):
+    def __init__(self, path: Path, detail: str):
+        super().__init__(detail)
+        self.path, self.detail = path, detail
+
+
+def _pi_text(content: Any, line: int, where: str) -> str:
     """User/custom/toolResult content: a string or text blocks; images cannot be trained on here."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise _RecordError(line, "missing_field", "content is neither a string nor a list of blocks")
     parts = []
-    for b in content:
-        if b.get("type") == "image":
+    for i, b in enumerate(content):
+        kind = _typed(Block, b, line, f"{where}[{i}]").type
+        if kind == "image":
             raise _RecordError(line, "image_content", "image blocks are not supported")
-        if b.get("type") != "text" or "text" not in b:
-            raise _RecordError(line, "missing_field", f"unexpected content block {b.get('type')!r}")
-        parts.append(b["text"])
+        if kind != "text":
+            raise _RecordError(line, "bad_field", f"{where}[{i}]: unexpected content block {kind!r}")
+        parts.append(_typed(TextBlock, b, line, f"{where}[{i}]").text)
     return "\n".join(parts)
 
 
-def _pi_entry_messages(line: int, e: dict) -> list[dict]:
-    kind = e["type"]
-    if kind == "custom_message":
-        _need(e, ("content",), line)
-        return [{"role": "user", "content": _pi_text(e["content"], line)}]
-    if kind == "branch_summary":
-        return (
-            [{"role": "user", "content": BRANCH_PREFIX + e["summary"] + BRANCH_SUFFIX}]
-            if e.get("summary")
-            else []
-        )
-    if kind != "message":
+def _pi_entry_messages(line: int, e: PiEntry) -> list[dict]:
+    if isinstance(e, PiCustomMessage):
+        return [{"role": "user", "content": _pi_text(e.content, line, "content")}]
+    if isinstance(e, PiBranchSummary):
+        return [{"role": "user", "content": BRANCH_PREFIX + e.summary + BRANCH_SUFFIX}] if e.summary else []
+    if not isinstance(e, PiMessageEntry):
         return []  # custom, label, session_info, model_change, thinking_level_change: no context
-    _need(e, ("message",), line)
-    m = e["message"]
-    role = m.get("role")
+    m = e.message
+    role = _typed(Role, m, line, "message").role
     if role == "user":
-        _need(m, ("content",), line)
-        return [{"role": "user", "content": _pi_text(m["content"], line)}]
+        user = _typed(PiUser, m, line, "message")
+        return [{"role": "user", "content": _pi_text(user.content, line, "message.content")}]
     if role == "assistant":
-        return [_pi_assistant(m, line)]
+        return [_pi_assistant(_typed(PiAssistant, m, line, "message"), line)]
     if role == "toolResult":
-        _need(m, ("toolCallId", "content"), line)
+        r = _typed(PiToolResult, m, line, "message")
         return [
             {
                 "role": "tool",
-                "tool_call_id": m["toolCallId"],
-                "name": m.get("toolName", ""),
-                "content": _pi_text(m["content"], line),
+                "tool_call_id": r.toolCallId,
+                "name": r.toolName,
+                "content": _pi_text(r.content, line, "message.content"),
             }
         ]
     if role == "bashExecution":
         # `!cmd` runs by the user reach the model as a user message (Pi's bashExecutionToText).
-        if m.get("excludeFromContext"):
+        b = _typed(PiBashExecution, m, line, "message")
+        if b.excludeFromContext:
             return []
-        text = f"Ran `{m.get('command', '')}`\n" + (
-            f"```\n{m['output']}\n```" if m.get("output") else "(no output)"
-        )
-        if m.get("cancelled"):
+        text = f"Ran `{b.command}`\n" + (f"```\n{b.output}\n```" if b.output else "(no output)")
+        if b.cancelled:
             text += "\n\n(command cancelled)"
-        elif m.get("exitCode") not in (None, 0):
-            text += f"\n\nCommand exited with code {m['exitCode']}"
-        if m.get("truncated") and m.get("fullOutputPath"):
-            text += f"\n\n[Output truncated. Full output: {m['fullOutputPath']}]"
+        elif b.exitCode not in (None, 0):
+            text += f"\n\nCommand exited with code {b.exitCode}"
+        if b.truncated and b.fullOutputPath:
+            text += f"\n\n[Output truncated. Full output: {b.fullOutputPath}]"
         return [{"role": "user", "content": text}]
     if role in ("custom", "branchSummary", "compactionSummary"):
-        return [{"role": "user", "content": _pi_text(m.get("content", m.get("summary", "")), line)}]
-    raise _RecordError(line, "missing_field", f"unknown message role {role!r}")
+        s = _typed(PiSummaryMessage, m, line, "message")
+        content = s.content if s.content is not None else (s.summary or "")
+        return [{"role": "user", "content": _pi_text(content, line, "message.content")}]
+    raise _RecordError(line, "bad_field", f"message.role: unknown message role {role!r}")
 
 
-def _pi_assistant(m: dict, line: int) -> dict:
-    _need(m, ("content",), line)
-    if m.get("stopReason") in _BAD_STOPS:
-        raise _RecordError(line, "assistant_error", f"assistant turn stopped with {m['stopReason']!r}")
+def _pi_assistant(m: PiAssistant, line: int) -> dict:
+    if m.stopReason in _BAD_STOPS:
+        raise _RecordError(line, "assistant_error", f"assistant turn stopped with {m.stopReason!r}")
     thinking, text, calls = [], [], []
-    for b in m["content"]:
-        t = b.get("type")
+    for i, b in enumerate(m.content):
+        where = f"message.content[{i}]"
+        t = _typed(Block, b, line, where).type
         if t == "thinking":
-            thinking.append(b.get("thinking", ""))
+            thinking.append(_typed(ThinkingBlock, b, line, where).thinking)
         elif t == "text":
-            text.append(b.get("text", ""))
+            text.append(_typed(TextBlock, b, line, where).text)
         elif t == "toolCall":
-            _need(b, ("id", "name", "arguments"), line)
+            c = _typed(ToolCallBlock, b, line, where)
             calls.append(
-                {
-                    "id": b["id"],
-                    "type": "function",
-                    "function": {"name": b["name"], "arguments": b["arguments"]},
-                }
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             )
         elif t == "image":
             raise _RecordError(line, "image_content", "image blocks are not supported")
         else:
-            raise _RecordError(line, "missing_field", f"unexpected assistant block {t!r}")
+            raise _RecordError(line, "bad_field", f"{where}: unexpected assistant block {t!r}")
     out: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(x for x in text if x)}
     reasoning = "\n\n".join(x for x in thinking if x)
     if reasoning:
@@ -315,75 +778,100 @@ def _pi_assistant(m: dict, line: int) -> dict:
     return out
 
 
-def _meta(source: str, meta: dict, ln: int) -> SessionMeta:
-    verified = meta.get("verified")
-    if verified is not None and not isinstance(verified, bool):
-        raise _RecordError(ln, "missing_field", f"meta 'verified' must be a boolean, not {verified!r}")
-    effort, task = meta.get("effort"), meta.get("task_id")
-    return SessionMeta(
-        source=source,
-        effort=None if effort is None else str(effort),
-        verified=verified,
-        task_id=None if task is None else str(task),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # OpenAI-style records
 
 
-def _openai_record(path: Path, line: int, text: str) -> Session:
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _RecordError(line, "invalid_json", f"undecodable JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list):
-        raise _RecordError(line, "missing_field", "record has no 'messages' list")
-    tools = rec.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _RecordError(line, "missing_field", "'tools' must be a list")
-    messages = [_openai_message(m, line) for m in rec["messages"]]
-    return Session(messages=messages, tools=tools, meta=_meta(f"{path}:{line}", rec.get("meta") or {}, line))
+def _openai_record(path: Path, line: int, value: Any) -> Session:
+    rec = _typed(OARecord, _need_dict(value, line, "record"), line)
+    tools = (
+        None if rec.tools is None else [_tool_spec(t, line, f"tools[{i}]") for i, t in enumerate(rec.tools)]
+    )
+    meta = _typed(AttemptMeta, rec.meta, line, "meta") if rec.meta is not None else AttemptMeta()
+    messages = [_openai_message(m, line, f"messages[{i}]") for i, m in enumerate(rec.messages)]
+    source = f"{path}:{line}"
+    return Session(
+        messages=messages,
+        tools=tools,
+        meta=SessionMeta(source=source, effort=meta.effort, verified=meta.verified, task_id=meta.task_id),
+        locations=(source,) * len(messages),
+    )
 
 
-def _openai_message(m: Any, line: int) -> dict:
-    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-        raise _RecordError(line, "missing_field", f"message without a known role: {str(m)[:60]}")
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts
-        if any(p.get("type") not in ("text", None) for p in content):
+def _tool_spec(t: Any, line: int, where: str) -> dict:
+    """An OpenAI tool (`{"type": "function", "function": {...}}`, or the bare function object)."""
+    t = _need_dict(t, line, where)
+    if "function" in t:
+        spec = _typed(ToolSpec, t, line, where)
+        if spec.type not in (None, "function"):
+            raise _RecordError(line, "bad_field", f"{where}.type must be 'function', not {spec.type!r}")
+        _typed(ToolFunction, spec.function, line, f"{where}.function")
+    else:
+        _typed(ToolFunction, t, line, where)
+    return t
+
+
+_OA_MODELS: dict[str, type[OAMessage]] = {
+    "system": OAMessage,
+    "user": OAMessage,
+    "assistant": OAAssistant,
+    "tool": OAToolMessage,
+}
+
+
+def _openai_content(content: Any, line: int, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []  # OpenAI content parts
+    for i, p in enumerate(content):
+        part = _typed(OAPart, p, line, f"{where}[{i}]")
+        if part.type not in ("text", None):
             raise _RecordError(line, "image_content", "non-text content parts are not supported")
-        content = "".join(p.get("text", "") for p in content)
-    out: dict[str, Any] = {"role": m["role"], "content": content or ""}
-    if m["role"] == "tool":
-        if "tool_call_id" not in m:
-            raise _RecordError(line, "missing_field", "tool message without 'tool_call_id'")
-        out["tool_call_id"] = m["tool_call_id"]
-        if "name" in m:
-            out["name"] = m["name"]
-    if m["role"] == "assistant":
-        if m.get("reasoning_content"):
-            out["reasoning_content"] = m["reasoning_content"]
-        calls = []
-        for c in m.get("tool_calls") or []:
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(fn, dict) or "name" not in fn:
-                raise _RecordError(line, "missing_field", "tool call without function.name")
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    raise _RecordError(
-                        line, "bad_arguments", f"tool call arguments are not JSON: {args[:60]!r}"
-                    ) from None
-            calls.append(
-                {
-                    "id": c.get("id", ""),
-                    "type": "function",
-                    "function": {"name": fn["name"], "arguments": args},
-                }
-            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _openai_message(value: Any, line: int, where: str) -> dict:
+    role = _typed(Role, _need_dict(value, line, where), line, where).role
+    model: Callable[..., Any] | None = _OA_MODELS.get(role)
+    if model is None:
+        raise _RecordError(line, "bad_field", f"{where}.role: unknown role {role!r}")
+    m = _typed(model, value, line, where)
+    out: dict[str, Any] = {"role": role, "content": _openai_content(m.content, line, f"{where}.content")}
+    if isinstance(m, OAToolMessage):
+        out["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            out["name"] = m.name
+    if isinstance(m, OAAssistant):
+        if m.reasoning_content:
+            out["reasoning_content"] = m.reasoning_content
+        calls = [_openai_call(c, line, f"{where}.tool_calls[{i}]") for i, c in enumerate(m.tool_calls or [])]
         if calls:
             out["tool_calls"] = calls
     return out
+
+
+def _openai_call(value: Any, line: int, where: str) -> dict:
+    c = _typed(OAToolCall, _need_dict(value, line, where), line, where)
+    fn = _typed(OAFunction, c.function, line, f"{where}.function")
+    args = {} if fn.arguments is None else fn.arguments
+    if isinstance(args, str):
+        value, fault = _json(args) if args.strip() else ({}, None)
+        if fault:
+            raise _RecordError(
+                line, "bad_arguments", f"{where}.function.arguments are not JSON: {args[:60]!r}"
+            )
+        if not isinstance(value, dict):
+            raise _RecordError(
+                line,
+                "bad_arguments",
+                f"{where}.function.arguments must be a JSON object, not {_json_type(value)}",
+            )
+        args = value
+    elif not isinstance(args, dict):
+        raise _RecordError(
+            line,
+            "bad_field",
+            f"{where}.function.arguments must be an object or a JSON string, not {_json_type(args)} {_short(args)}",
+        )
+    return {"id": c.id, "type": "function", "function": {"name": fn.name, "arguments": args}}

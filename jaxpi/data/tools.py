@@ -109,11 +109,22 @@ def pi_tools() -> list[dict]:
 
 
 def tool_schemas(tools: list[dict] | None) -> dict[str, dict]:
-    """name -> parameters schema, for OpenAI-style tool dicts (or bare {name, parameters})."""
+    """name -> parameters schema, for OpenAI-style tool dicts (or bare {name, parameters}).
+
+    A tool that is not an object with a string `name` and an object (or absent) `parameters` is a
+    ValueError naming its index.
+    """
     out: dict[str, dict] = {}
-    for t in pi_tools() if tools is None else tools:
-        fn = t.get("function", t)
-        out[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+    for i, t in enumerate(pi_tools() if tools is None else tools):
+        fn = t.get("function", t) if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}] is not a function with a string name: {str(t)[:60]}")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, Mapping):
+            raise ValueError(
+                f"tools[{i}] ({fn['name']}): parameters must be an object, not {type(params).__name__}"
+            )
+        out[fn["name"]] = params
     return out
 
 
@@ -133,14 +144,23 @@ def validate(schema: Mapping[str, Any], value: Any, where: str = "arguments") ->
     Objects reject unknown keys unless the schema says `additionalProperties: true`: a tool call
     with a misspelt argument is malformed data for SFT even where the harness would have ignored it.
     """
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"schema at {where} is not an object: {str(schema)[:60]}")
     unknown = set(schema) - _KNOWN_KEYS
     if unknown:
         raise ValueError(f"schema at {where} uses unsupported keywords {sorted(unknown)}")
     kind = schema.get("type")
     if kind == "object":
+        props = schema.get("properties", {})
+        required = schema.get("required", [])
+        if not isinstance(props, Mapping):
+            raise ValueError(f"schema at {where}: properties must be an object, not {type(props).__name__}")
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise ValueError(f"schema at {where}: required must be a list of names")
+        if not isinstance(schema.get("additionalProperties", False), bool):
+            raise ValueError(f"schema at {where}: additionalProperties must be true or false")
         if not isinstance(value, dict):
             return [f"{where}: expected object, got {type(value).__name__}"]
-        props = schema.get("properties", {})
         errors = [
             f"{where}: missing required key {k!r}" for k in schema.get("required", []) if k not in value
         ]
@@ -154,10 +174,12 @@ def validate(schema: Mapping[str, Any], value: Any, where: str = "arguments") ->
         if not isinstance(value, list):
             return [f"{where}: expected array, got {type(value).__name__}"]
         items = schema.get("items")
+        if items is not None and not isinstance(items, Mapping):
+            raise ValueError(f"schema at {where}: items must be an object, not {type(items).__name__}")
         errs: list[str] = []
         for i, v in enumerate(value):
             errs += validate(items, v, f"{where}[{i}]") if items else []
         return errs
-    if kind in _SCALARS:
+    if isinstance(kind, str) and kind in _SCALARS:
         return [] if _SCALARS[kind](value) else [f"{where}: expected {kind}, got {type(value).__name__}"]
     raise ValueError(f"schema at {where} has unsupported type {kind!r}")
