@@ -288,11 +288,71 @@ def test_config_is_validated(ws):
         run_sandboxed(["true"], ws / "missing", CFG)
 
 
+def test_workspace_under_a_private_directory_is_staged(tmp_path):
+    # pytest's tmp_path sits under a 0700 directory: the caller copies the workspace in and out,
+    # so the sandbox's unprivileged uid need not reach it on the host.
+    (tmp_path / "in.txt").write_text("x\n")
+    r = run_sandboxed(["bash", "-c", "cat in.txt > out.txt"], tmp_path, CFG)
+    assert r.ok, r
+    assert (tmp_path / "out.txt").read_text() == "x\n"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root caller runs the sandbox as another uid")
-def test_unreachable_workspace_is_refused(tmp_path):
-    # pytest's tmp_path sits under a 0700 directory: the unprivileged sandbox uid could not reach it.
+def test_unreachable_read_only_mount_is_refused(ws, tmp_path):
+    # A read-only mount is bound by path as the sandbox's uid, which must reach it.
+    (tmp_path / "tool").mkdir()
     with pytest.raises(ValueError, match="not searchable"):
-        run_sandboxed(["true"], tmp_path, CFG.replace(use_cgroups=False))
+        run_sandboxed(["true"], ws, CFG, mounts={"/opt/tool": tmp_path / "tool"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_workspace_round_trip(ws, mode):
+    """What the command leaves is what the host finds: contents, modes, times, symlinks as links,
+    removals; set-id bits and special files do not come out (the latter noted)."""
+    (ws / "keep.txt").write_text("kept\n")
+    (ws / "gone.txt").write_text("removed inside\n")
+    (ws / "sub" / "deep").mkdir(parents=True)
+    (ws / "sub" / "deep" / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (ws / "sub" / "deep" / "run.sh").chmod(0o755)
+    os.utime(ws / "keep.txt", (1_000_000_000, 1_000_000_000))
+    cmd = (
+        "test -x sub/deep/run.sh && sub/deep/run.sh > ran.txt; rm gone.txt; mkdir empty; "
+        "ln -s /etc/passwd link; ln keep.txt hard; mkfifo pipe; cp /bin/true suid; chmod 4755 suid; "
+        "stat -c %Y keep.txt"
+    )
+    r = _sh(cmd, ws, _cfg(mode))
+    assert r.ok, r
+    assert r.stdout.strip() == "1000000000"  # times are copied in
+    names = sorted(p.name for p in ws.iterdir())
+    assert names == ["empty", "hard", "keep.txt", "link", "ran.txt", "sub", "suid"], names
+    assert (ws / "ran.txt").read_text() == "ran\n" and (ws / "hard").read_text() == "kept\n"
+    assert (ws / "link").is_symlink() and os.readlink(ws / "link") == "/etc/passwd"
+    assert (ws / "keep.txt").stat().st_mtime == 1_000_000_000  # and back out
+    assert (ws / "sub" / "deep" / "run.sh").stat().st_mode & 0o777 == 0o755
+    assert (ws / "suid").stat().st_mode & 0o7777 == 0o755
+    assert any("pipe" in n and "not a regular file" in n for n in r.notes), r.notes
+    for p in ws.rglob("*"):
+        assert p.lstat().st_uid == os.getuid(), p
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_workspace_larger_than_the_quota_is_refused(ws, mode):
+    (ws / "big").write_bytes(b"x" * (3 << 20))
+    with pytest.raises(ValueError, match="disk quota"):
+        _sh("true", ws, _cfg(mode, disk_mb=2))
+    assert (ws / "big").stat().st_size == 3 << 20  # untouched
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_full_disk_quota_is_reported(ws, mode):
+    r = _sh("head -c 8M /dev/zero > f", ws, _cfg(mode, disk_mb=4))
+    assert r.returncode != 0 and r.killed_reason == "disk", r
+
+
+def test_only_stdio_reaches_the_command(ws):
+    # bwrap passes on every descriptor it does not consume: the host's must not be among them.
+    r = _sh("ls /proc/self/fd", ws, CFG.replace(endpoints=(("127.0.0.1", 9999),)))
+    assert r.ok and r.stdout.split() == ["0", "1", "2", "3"], r  # 3: ls's own listing
 
 
 def test_concurrent_sandboxes_from_threads(ws):

@@ -1,15 +1,22 @@
-"""Run one command under bubblewrap: read-only system, writable workspace, no network, limits.
+"""Run one command under bubblewrap: read-only system, a quota'd copy of the workspace, no network.
 
     result = run_sandboxed(["bash", "-lc", "make test"], workspace, SandboxConfig(wall_seconds=30))
 
 Inside, the command sees: /usr (and the /bin, /lib* links), /etc read-only (shadow files masked),
 the workspace read-write at `cfg.workspace_mount` (its working directory), a private tmpfs /tmp,
-its own /proc and a minimal /dev; the root itself is read-only and nothing else of the host is
-mounted (so neither the checkout nor $HOME exists in there). Every namespace is new: user (no
-capabilities), pid, network (loopback only), ipc, uts, cgroup. The host watches the sandbox's pid
-namespace while it runs and kills its init, which ends every process in it, at the wall limit or
-when the process limit is reached. See `jaxpi.sandbox.config` for the limits and
-`jaxpi.sandbox.relay` for the one way out (the allowed endpoints).
+its own /proc (with /proc/sys read-only) and a minimal /dev; the root itself is read-only and
+nothing else of the host is mounted (so neither the checkout nor $HOME exists in there). Every
+namespace is new: user (no capabilities, no nested user namespaces), pid, network (loopback
+only), ipc, uts, cgroup. It runs as an unprivileged uid as the host sees it too (`cfg.host_uid`
+for a root caller, the caller's own uid otherwise), with no_new_privs, under a seccomp filter
+(`jaxpi.sandbox.seccomp`), in an empty environment but for `BASE_ENV` and the caller's `env`.
+
+The workspace and writable mounts are copies on a tmpfs of `cfg.disk_mb` made by the staging
+helper (`jaxpi.sandbox.stage`) in a mount namespace of its own, and copied back when the command
+ends. The host watches the sandbox's pid namespace while it runs and kills its init, which ends
+every process in it, at the wall limit, the CPU budget, or when the process limit is reached. See
+`jaxpi.sandbox.config` for the limits and `jaxpi.sandbox.relay` for the one way out (the
+allowed endpoints).
 """
 
 from __future__ import annotations
@@ -22,15 +29,16 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jaxpi.sandbox import procs
+from jaxpi.sandbox import procs, seccomp
 from jaxpi.sandbox.config import SandboxConfig, SandboxResult
-from jaxpi.sandbox.limits import Cgroups, launch_prefix, nproc_argv
+from jaxpi.sandbox.limits import Cgroups, nproc_argv, rlimits
 from jaxpi.sandbox.relay import INNER_RELAY, HostRelay
 
 _RELAY_DIR = "/run/jaxpi"  # inside: the endpoint sockets and the relay script
@@ -43,10 +51,17 @@ BASE_ENV = {
     "TERM": "dumb",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+# The staging helper's own environment: nothing of the caller's (bwrap's init would keep it).
+_HELPER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+_STAGE_PY = Path(__file__).with_name("stage.py")
+# In bwrap's command line, the descriptor of staged tree i, which the helper opens and fills in.
+_STAGED = "\0staged:"
 # Only consulted without a memory cgroup: with RLIMIT_AS an allocation fails rather than being
 # killed, and this is how the usual runtimes say so.
 _ALLOC_FAILED = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|[Oo]ut of memory")
 _POLL_S = 0.03
+# After the sandbox is killed, how long the helper may take to copy the trees back out.
+_COPY_OUT_GRACE_S = 30.0
 
 
 def bwrap_path() -> str | None:
@@ -75,59 +90,70 @@ def bwrap_argv(
     env: Mapping[str, str],
     fds: Mapping[str, int],
     relay_args: Sequence[str] = (),
-    mounts: Mapping[str, Path] | None = None,
-    rw_mounts: Mapping[str, Path] | None = None,
+    mounts: Mapping[str, int] | None = None,
+    rw_mounts: Sequence[str] = (),
 ) -> list[str]:
     """The full bwrap command line (pure but for a look at the host's top-level directories).
 
-    `fds`: open descriptors for "info" (bwrap's --info-fd), "workspace" and, with endpoints,
-    "relay_dir" (holding the sockets and the relay script). Descriptors pin the very directories
-    that were checked, whatever happens to their paths meanwhile.
+    `fds`: open descriptors for "info" (bwrap's --info-fd), "seccomp" (the compiled filter),
+    "ro_binds" (a list, one per `cfg.ro_binds` path) and, with endpoints, "relay_dir" (holding the
+    sockets and the relay script). `mounts` maps paths inside to descriptors bound read-only;
+    `rw_mounts` are the paths inside of the writable mounts, staged trees 1.. (the workspace is
+    tree 0), whose descriptors the staging helper puts in for the `_STAGED` placeholders.
+    Descriptors pin the very files that were checked, whatever happens to their paths meanwhile,
+    and reach them whatever the modes of the directories above.
     """
     bw = bwrap_path() or "bwrap"
     args = [bw, "--unshare-all", "--unshare-user", "--disable-userns"]
     args += ["--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox"]
     args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     args += system_binds()
-    # The private /tmp comes before the binds: a bound path under /tmp (a checkout or a toolchain
-    # living there) is then mounted on top of the tmpfs instead of being hidden by it.
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
-    for path in cfg.ro_binds:
-        args += ["--ro-bind", path, path]
-    for inside, host in (mounts or {}).items():
-        args += ["--ro-bind", str(host), inside]
-    for inside, host in (rw_mounts or {}).items():
-        args += ["--bind", str(host), inside]
-    args += ["--bind-fd", str(fds["workspace"]), cfg.workspace_mount, "--chdir", cfg.workspace_mount]
+    # /proc/sys read-only on top of the sandbox's own /proc (bwrap covers it only when its setup
+    # could write there). The private /tmp comes before the binds: a bound path under /tmp (a
+    # checkout or a toolchain living there) is then mounted on top of the tmpfs, not hidden by it.
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
+    args += ["--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    for path, fd in zip(cfg.ro_binds, fds.get("ro_binds", ()), strict=True):
+        args += ["--ro-bind-fd", str(fd), path]
+    for inside, fd in (mounts or {}).items():
+        args += ["--ro-bind-fd", str(fd), inside]
+    for i, inside in enumerate(rw_mounts, start=1):
+        args += ["--bind-fd", f"{_STAGED}{i}", inside]
+    args += ["--bind-fd", f"{_STAGED}0", cfg.workspace_mount, "--chdir", cfg.workspace_mount]
     inner = nproc_argv(cfg)
     if relay_args:
         args += ["--ro-bind-fd", str(fds["relay_dir"]), _RELAY_DIR]
         # The relay binds its ports, forks to the background, and only then does the command start.
-        launch = f'python3 {_RELAY_DIR}/relay.py {" ".join(relay_args)} && exec "$@"'
+        launch = f'python3 {_RELAY_DIR}/relay.py {cfg.max_connections} {" ".join(relay_args)} && exec "$@"'
         inner += ["/bin/sh", "-c", launch, "sandbox"]
     args += ["--remount-ro", "/", "--clearenv"]
     for k, v in {**BASE_ENV, **env}.items():
         args += ["--setenv", k, v]
-    args += ["--info-fd", str(fds["info"]), "--"]
+    args += ["--seccomp", str(fds["seccomp"]), "--info-fd", str(fds["info"]), "--"]
     return args + inner + list(argv)
 
 
-def _check_reachable(ws: Path) -> None:
-    for parent in ws.parents:
+def _check_reachable(path: Path) -> None:
+    # bwrap binds a descriptor by the path it reads back, as the sandbox's uid: every directory
+    # above must be searchable by others.
+    for parent in path.parents:
         if not parent.stat().st_mode & 0o001:
             raise ValueError(
                 f"run_sandboxed: {parent} is not searchable by others (mode {parent.stat().st_mode & 0o777:o}); "
-                f"without cgroups a root caller's sandbox runs as an unprivileged uid, which must reach "
-                f"the workspace {ws}: put workspaces under a directory with mode 0711 or 0755"
+                f"a root caller's sandbox runs as an unprivileged uid, which must reach the read-only "
+                f"mount {path}: put it below directories with mode 0711 or 0755"
             )
 
 
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            with contextlib.suppress(FileNotFoundError):  # removed while we walked
-                os.lchown(os.path.join(dirpath, name), uid, gid)
+def helper_argv(uid: int | None) -> list[str]:
+    """How the staging helper starts: in a private mount namespace (and, for a caller that is not
+    root, a user namespace where it may mount)."""
+    ns = (
+        ["--mount", "--propagation", "private"]
+        if uid is not None
+        else ["--user", "--map-root-user", "--mount", "--propagation", "private"]
+    )
+    return ["unshare", *ns, "--", sys.executable or "python3", "-I", "-S", str(_STAGE_PY)]
 
 
 class _Drain(threading.Thread):
@@ -175,9 +201,14 @@ def run_sandboxed(
 ) -> SandboxResult:
     """Run `argv` in a fresh sandbox over `workspace` and wait for it (at most cfg.wall_seconds).
 
-    `mounts` maps paths inside to host paths bound read-only there (a verifier's tests, an oracle);
-    `rw_mounts` maps paths inside to host directories bound writable (an agent's config home, kept
-    apart from the workspace the verifier sees), handed to the sandbox uid like the workspace.
+    `env` is added to `BASE_ENV` (nothing of the caller's environment gets in). `mounts` maps
+    paths inside to host paths bound read-only there (an agent's extension, a toolchain); they
+    must be readable by the sandbox's uid. `rw_mounts` maps paths inside to host directories that
+    are writable inside (an agent's config home, kept apart from the workspace the verifier sees).
+    The workspace and `rw_mounts` are copied into the sandbox's quota'd tmpfs (`cfg.disk_mb` for
+    all of them) and their contents replaced by what the sandbox left when it ends, killed or
+    not: regular files, directories and symlinks, never followed; what was left out is listed in
+    `SandboxResult.notes`. Raises ValueError when they do not fit in `cfg.disk_mb` to begin with.
     """
     cfg = cfg or SandboxConfig()
     if not argv:
@@ -187,9 +218,6 @@ def run_sandboxed(
     ws = Path(workspace).resolve()
     if not ws.is_dir():
         raise FileNotFoundError(f"run_sandboxed: workspace {ws} is not a directory")
-    cgroups = Cgroups.create(cfg) if cfg.use_cgroups is not False else None
-    if cfg.use_cgroups and cgroups is None:
-        raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
     ro_mounts = {inside: Path(host).resolve() for inside, host in (mounts or {}).items()}
     rw = {inside: Path(host).resolve() for inside, host in (rw_mounts or {}).items()}
     for inside, host in [*ro_mounts.items(), *rw.items()]:
@@ -200,41 +228,69 @@ def run_sandboxed(
     for inside, host in rw.items():
         if not host.is_dir():
             raise ValueError(f"run_sandboxed: writable mount {inside!r} -> {host} must be a directory")
-    # Without a pids cgroup, RLIMIT_NPROC is the process limit, and the kernel never applies it to
-    # host root: a root caller's sandbox then runs as the unprivileged cfg.host_uid.
-    drop_to = cfg.host_uid if os.geteuid() == 0 and cgroups is None else None
-    if drop_to is not None:
-        for path in [ws, *ro_mounts.values(), *rw.values()]:
+    cgroups = Cgroups.create(cfg) if cfg.use_cgroups is not False else None
+    if cfg.use_cgroups and cgroups is None:
+        raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
+    # Host root is exempt from RLIMIT_NPROC and owns most of the host: never the sandbox's uid.
+    uid = cfg.host_uid if os.geteuid() == 0 else None
+    if uid is not None:
+        for path in [*ro_mounts.values(), *map(Path, cfg.ro_binds)]:
             _check_reachable(path)
-    owners = {path: path.stat() for path in [ws, *rw.values()]}
-    relay_dir = Path(tempfile.mkdtemp(prefix="jaxpi-relay-")) if cfg.endpoints else None
+    run_dir = Path(tempfile.mkdtemp(prefix="jaxpi-run-"))
+    run_dir.chmod(0o711)  # bwrap, as the sandbox's uid, finds the staged trees by their paths
     relay = None
     info_r, info_w = os.pipe()
-    fds = {"info": info_w, "workspace": os.open(ws, os.O_PATH | os.O_DIRECTORY)}
+    status_r, status_w = os.pipe()
+    fds: dict[str, int] = {"info": info_w, "status": status_w}
+    passed: list[int] = []  # every descriptor the helper gets, closed here once it has them
     try:
+        fds["seccomp"] = seccomp.memfd()
+        trees = [[cfg.workspace_mount, os.open(ws, os.O_RDONLY | os.O_DIRECTORY)]]
+        trees += [[inside, os.open(host, os.O_RDONLY | os.O_DIRECTORY)] for inside, host in rw.items()]
+        ro_fds = {inside: os.open(host, os.O_PATH) for inside, host in ro_mounts.items()}
+        bind_fds = [os.open(p, os.O_PATH) for p in cfg.ro_binds]
+        fds["ro_binds"] = bind_fds  # type: ignore[assignment]
+        passed = [info_w, status_w, fds["seccomp"], *(fd for _, fd in trees), *ro_fds.values(), *bind_fds]
         relay_args: list[str] = []
-        if relay_dir is not None:
-            relay_dir.chmod(0o711)  # the sandbox uid must reach the sockets inside
-            relay = HostRelay(cfg.endpoints, relay_dir)
+        if cfg.endpoints:
+            relay_dir = run_dir / "relay"
+            relay_dir.mkdir(mode=0o711)
+            relay_dir.chmod(0o711)  # the sandbox uid must reach the sockets inside (umask aside)
+            relay = HostRelay(cfg.endpoints, relay_dir, cfg.max_connections)
             relay_args = relay.inner_args(_RELAY_DIR)
-            fds["relay_dir"] = os.open(relay_dir, os.O_PATH | os.O_DIRECTORY)
             shutil.copy(INNER_RELAY, relay_dir / "relay.py")
-        if drop_to is not None:
-            for path in owners:
-                _chown_tree(path, drop_to, drop_to)
-        cmd = launch_prefix(cfg, cgroups) + bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_mounts, rw)
-        return _supervise(cmd, cfg, cgroups, info_r, fds, stdin, drop_to)
+            fds["relay_dir"] = os.open(relay_dir, os.O_PATH | os.O_DIRECTORY)
+            passed.append(fds["relay_dir"])
+        (run_dir / "stage").mkdir()
+        spec = {
+            "parent": os.getpid(),
+            "status_fd": status_w,
+            "stage_dir": str(run_dir / "stage"),
+            "disk_bytes": cfg.disk_mb << 20,
+            "inodes": max(4096, cfg.disk_mb * 256),
+            "trees": trees,
+            "uid": uid,
+            "cgroup_procs": [str(p) for p in cgroups.join_paths()] if cgroups is not None else [],
+            "rlimits": rlimits(cfg, cgroups),
+            # What bwrap may inherit; the helper closes the rest (the host directories above all).
+            "keep_fds": [
+                info_w,
+                fds["seccomp"],
+                *ro_fds.values(),
+                *bind_fds,
+                *([fds["relay_dir"]] if relay else []),
+            ],
+            "bwrap": bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_fds, list(rw)),
+        }
+        cmd = [*helper_argv(uid), json.dumps(spec)]
+        return _supervise(cmd, cfg, cgroups, info_r, status_r, passed, stdin)
     finally:
-        for fd in [info_r, *fds.values()]:
+        for fd in [info_r, status_r, *passed]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if drop_to is not None:
-            for path, owner in owners.items():
-                _chown_tree(path, owner.st_uid, owner.st_gid)
         if relay is not None:
             relay.close()
-        if relay_dir is not None:
-            shutil.rmtree(relay_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         if cgroups is not None:
             cgroups.remove()
 
@@ -244,9 +300,9 @@ def _supervise(
     cfg: SandboxConfig,
     cgroups: Cgroups | None,
     info_r: int,
-    fds: dict[str, int],
+    status_r: int,
+    passed: list[int],
     stdin: str | bytes | None,
-    drop_to: int | None,
 ) -> SandboxResult:
     start = time.monotonic()
     try:
@@ -255,15 +311,16 @@ def _supervise(
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=tuple(fds.values()),
-            # Done by the C fork helper (no Python runs in the child): the unprivileged uid, if any.
-            user=drop_to,
-            group=drop_to,
-            extra_groups=[] if drop_to is not None else None,
+            pass_fds=tuple(passed),
+            env=_HELPER_ENV,
             start_new_session=True,  # our terminal's signals are not the sandbox's business
         )
     finally:
-        os.close(fds.pop("info"))
+        # The helper has its copies; ours would keep the pipes from ever reading end-of-file.
+        for fd in passed:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        passed.clear()
     drains = [_Drain(proc.stdout, cfg.max_output_bytes), _Drain(proc.stderr, cfg.max_output_bytes)]
     for d in drains:
         d.start()
@@ -271,18 +328,31 @@ def _supervise(
         threading.Thread(target=_feed, args=(proc, stdin), daemon=True).start()
     init_pid = None
     try:
-        init_pid = _read_child_pid(info_r, start + 10.0)
-        reason, peak_tasks, peak_cpu = _watch(proc, cfg, cgroups, init_pid, start)
+        # The copy into the sandbox comes first: allow for it (it is bounded by disk_mb).
+        init_pid = _read_child_pid(info_r, start + 10.0 + cfg.disk_mb / 100)
+        reason, peak_tasks, cpu = _watch(proc, cfg, cgroups, init_pid, start)
+        if reason is not None:
+            _kill(proc, init_pid)
+        rc = _wait_copied_out(proc, init_pid)
     except BaseException:
         # Interrupted (Ctrl-C, an error here): the sandbox must not outlive its supervisor.
-        _kill(proc, init_pid)
+        _kill(proc, init_pid, now=True)
         raise
-    rc = proc.wait()
     for d in drains:
         d.join(timeout=5.0)
+    status = _read_status(status_r)
+    if status.get("error") and init_pid is None:
+        raise ValueError(f"run_sandboxed: {status['error']}")
+    if cgroups is not None and cgroups.cpu_seconds() is not None:
+        cpu = max(cpu, cgroups.cpu_seconds() or 0.0)
+    elif "cpu_seconds" in status:
+        cpu = max(cpu, float(status["cpu_seconds"]))
+    notes = tuple(status.get("notes", ()))
+    if status.get("error"):
+        notes += (status["error"],)
     stderr = drains[1].text()
     if reason is None:
-        reason = _after_the_fact(rc, stderr, cfg, cgroups, peak_cpu)
+        reason = _after_the_fact(rc, stderr, cfg, cgroups, cpu, bool(status.get("disk_full")))
     return SandboxResult(
         returncode=rc if rc >= 0 else 128 - rc,
         stdout=drains[0].text(),
@@ -292,18 +362,31 @@ def _supervise(
         killed_reason=reason,
         peak_procs=peak_tasks,
         cgroups=cgroups is not None,
+        cpu_seconds=round(cpu, 3),
+        notes=notes,
     )
+
+
+def _read_status(fd: int) -> dict:
+    """The helper's report (it has exited: every write end is closed)."""
+    data = b""
+    while chunk := os.read(fd, 65536):
+        data += chunk
+    try:
+        return json.loads(data) if data else {}
+    except ValueError:
+        return {}
 
 
 def _watch(
     proc: subprocess.Popen, cfg: SandboxConfig, cgroups: Cgroups | None, init_pid: int | None, start: float
 ) -> tuple[str | None, int, float]:
-    """Poll the running sandbox until it ends or a limit is reached (then kill it).
+    """Poll the running sandbox until it ends or a limit is reached.
 
-    Returns (the limit that ended it or None, most tasks seen at once, most CPU seconds of a process).
+    Returns (the limit reached or None, most tasks seen at once, the tree's CPU seconds so far).
     """
     ns = procs.pid_namespace(init_pid) if init_pid else None
-    peak_tasks, peak_cpu = 0, 0.0
+    peak_tasks, cpu = 0, 0.0
     while proc.poll() is None:
         reason = None
         if time.monotonic() - start > cfg.wall_seconds:
@@ -311,32 +394,58 @@ def _watch(
         elif ns is not None:
             # The pids cgroup lists the tree directly; without one, scan /proc for the namespace.
             members = cgroups.pids() if cgroups is not None else procs.members(ns)
-            tasks, rss, cpu = procs.usage(members)
-            peak_tasks, peak_cpu = max(peak_tasks, tasks), max(peak_cpu, cpu)
+            tasks, rss, tree_cpu = procs.usage(members)
+            acct = cgroups.cpu_seconds() if cgroups is not None else None
+            peak_tasks, cpu = max(peak_tasks, tasks), max(cpu, acct if acct is not None else tree_cpu)
             # At the process limit forks are already failing; end the run rather than let a fork
             # bomb spin until the wall clock. The -1 leaves room for a sample taken mid-retry.
             if tasks >= cfg.max_procs - 1 or (cgroups is not None and cgroups.procs_hit()):
                 reason = "procs"
+            elif cpu > cfg.cpu_seconds:
+                reason = "cpu"
             elif cgroups is None and rss > cfg.memory_mb * 1024 * 1024:  # the tree (RLIMIT_AS is per process)
                 reason = "memory"
         if reason is not None:
-            _kill(proc, init_pid)
-            return reason, peak_tasks, peak_cpu
-        # Fast at first (short commands, fork bombs), then easier on a host running many sandboxes.
-        time.sleep(_POLL_S if time.monotonic() - start < 2.0 else 4 * _POLL_S)
-    return None, peak_tasks, peak_cpu
+            return reason, peak_tasks, cpu
+        # Fast at first (short commands, fork bombs), then easier on a host running many sandboxes;
+        # a run that ends meanwhile is seen at once (its pidfd becomes readable).
+        _wait_exit(proc, _POLL_S if time.monotonic() - start < 2.0 else 4 * _POLL_S)
+    return None, peak_tasks, cpu
 
 
-def _kill(proc: subprocess.Popen, init_pid: int | None) -> None:
-    """SIGKILL the namespace's init (which ends everything in it) and bwrap's own process group."""
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:
+    """Sleep `timeout` seconds or until `proc` exits, whichever is first."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (OSError, AttributeError):  # exited and reaped, or a kernel before 5.3
+        time.sleep(timeout)
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+
+
+def _kill(proc: subprocess.Popen, init_pid: int | None, now: bool = False) -> None:
+    """SIGKILL the namespace's init, which ends everything in it; the helper then copies the trees
+    out and exits. Without an init yet (still staging), or `now`, the helper's group goes too."""
     if init_pid is not None:
         procs.kill_namespace(init_pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    if init_pid is None or now:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_copied_out(proc: subprocess.Popen, init_pid: int | None) -> int:
+    try:
+        return proc.wait(timeout=_COPY_OUT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _kill(proc, init_pid, now=True)
+        return proc.wait()
 
 
 def _after_the_fact(
-    rc: int, stderr: str, cfg: SandboxConfig, cgroups: Cgroups | None, peak_cpu: float
+    rc: int, stderr: str, cfg: SandboxConfig, cgroups: Cgroups | None, cpu: float, disk_full: bool
 ) -> str | None:
     """Which limit ended a run that ended by itself (a limit made something in it fail or die)."""
     if cgroups is not None:
@@ -346,9 +455,11 @@ def _after_the_fact(
             return "procs"
     elif rc != 0 and _ALLOC_FAILED.search(stderr):
         return "memory"
-    # SIGXCPU at the soft limit; the last sample of the process was taken within a poll of it.
-    if rc in (128 + signal.SIGXCPU, -signal.SIGXCPU) or peak_cpu >= cfg.cpu_seconds - 0.25:
+    # SIGXCPU at a process's soft limit, or the tree's budget spent between two samples.
+    if rc in (128 + signal.SIGXCPU, -signal.SIGXCPU) or (rc != 0 and cpu >= cfg.cpu_seconds):
         return "cpu"
+    if rc != 0 and disk_full:
+        return "disk"
     return None
 
 

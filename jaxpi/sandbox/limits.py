@@ -1,12 +1,15 @@
-"""Resource limits: rlimits set in the launcher child, and cgroup v1 memory + pids when available.
+"""Resource limits: rlimits set by the staging helper, and v1 cgroups when this process may make them.
+
+cgroups (v1): memory and pids, required together; cpu (bandwidth, `cfg.cpus`) and cpuacct (the
+tree's CPU time, for the run's CPU budget) where the host mounts them.
 
 RLIMIT_NPROC counts per (user namespace, uid): every sandbox has its own user namespace, so the
-limit is the number of processes (threads) of that sandbox alone, and it holds even when the host
-caller is root... except that the kernel exempts host uid 0 everywhere, so a root caller's sandbox
-runs as an unprivileged host uid (`SandboxConfig.host_uid`) when there is no pids cgroup. It is set inside the sandbox
-(`nproc_argv`), after the namespace exists, so the caller's own process count never enters it. RLIMIT_AS caps each process's
-address space; it is only used when no memory cgroup can be made, because a cgroup limits the
-tree as a whole and reports its OOM kills (which lets the result say "memory" for certain).
+limit is the number of processes (threads) of that sandbox alone. The kernel exempts host uid 0,
+which is one reason a root caller's sandbox always runs as the unprivileged host uid
+`SandboxConfig.host_uid`. It is set inside the sandbox (`nproc_argv`), after the namespace exists,
+so the caller's own process count never enters it. RLIMIT_AS caps each process's address space;
+it is only used when no memory cgroup can be made, because a cgroup limits the tree as a whole
+and reports its OOM kills (which lets the result say "memory" for certain).
 """
 
 from __future__ import annotations
@@ -40,17 +43,21 @@ def _own_v1_dir(controller: str) -> Path | None:
 
 
 class Cgroups:
-    """A fresh v1 memory cgroup and pids cgroup for one run, removed by `remove()`."""
+    """Fresh v1 cgroups for one run (memory and pids; cpu and cpuacct where mounted), removed by
+    `remove()`."""
 
-    def __init__(self, memory_dir: Path, pids_dir: Path) -> None:
+    def __init__(
+        self, memory_dir: Path, pids_dir: Path, cpu_dir: Path | None, cpuacct_dir: Path | None
+    ) -> None:
         self.memory_dir, self.pids_dir = memory_dir, pids_dir
+        self.cpu_dir, self.cpuacct_dir = cpu_dir, cpuacct_dir
 
     @classmethod
     def create(cls, cfg: SandboxConfig) -> Cgroups | None:
         mem, pids = _own_v1_dir("memory"), _own_v1_dir("pids")
         if mem is None or pids is None:
             return None
-        # One pair per run, uniquely named: concurrent sandboxes never share a budget.
+        # One set per run, uniquely named: concurrent sandboxes never share a budget.
         name = f"jaxpi-sandbox-{uuid.uuid4().hex[:12]}"
         made: list[Path] = []
         try:
@@ -64,14 +71,14 @@ class Cgroups:
                 memsw.write_text(str(limit))
             (pids / name / "pids.max").write_text(str(cfg.max_procs))
         except OSError:
-            for d in made:
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+            _rmdirs(made)
             return None
-        return cls(mem / name, pids / name)
+        cpu, cpuacct = _cpu_dirs(cfg, name)
+        return cls(mem / name, pids / name, cpu, cpuacct)
 
     def join_paths(self) -> list[Path]:
-        return [self.memory_dir / "cgroup.procs", self.pids_dir / "cgroup.procs"]
+        dirs = [self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir]
+        return [d / "cgroup.procs" for d in dict.fromkeys(d for d in dirs if d is not None)]
 
     def _read(self, path: Path) -> str:
         try:
@@ -95,13 +102,21 @@ class Cgroups:
                 return True
         return False
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time of everything that ever ran in the group (cpuacct.usage), or None without it."""
+        if self.cpuacct_dir is None:
+            return None
+        raw = self._read(self.cpuacct_dir / "cpuacct.usage").strip()
+        return int(raw) / 1e9 if raw.isdigit() else None
+
     # v1 cgroup.procs lists thread-group ids; threads are counted from /proc by the monitor.
     def pids(self) -> list[int]:
         return [int(p) for p in self._read(self.pids_dir / "cgroup.procs").split()]
 
     def remove(self) -> None:
         # The tree was killed but its last processes may still be exiting: retry for a moment.
-        for d in (self.memory_dir, self.pids_dir):
+        dirs = [self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir]
+        for d in dict.fromkeys(d for d in dirs if d is not None):
             for _ in range(50):
                 try:
                     d.rmdir()
@@ -112,20 +127,54 @@ class Cgroups:
                     time.sleep(0.02)
 
 
-def launch_prefix(cfg: SandboxConfig, cgroups: Cgroups | None) -> list[str]:
-    """The commands bwrap is started through: join the cgroups, then set the rlimits and exec.
+def _rmdirs(dirs: list[Path]) -> None:
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
-    Plain processes rather than a `preexec_fn`: code between fork and exec is unsafe in a
-    threaded caller (the rollout runner is one), and these are inherited by everything inside.
+
+_CFS_PERIOD_US = 100_000
+
+
+def _cpu_dirs(cfg: SandboxConfig, name: str) -> tuple[Path | None, Path | None]:
+    """The run's cpu cgroup (bandwidth: `cfg.cpus` CPUs) and cpuacct cgroup (usage), where the
+    host has them (None where not); the two are one directory where co-mounted."""
+    quota = max(1000, int(cfg.cpus * _CFS_PERIOD_US))
+    cpu = _make(_own_v1_dir("cpu"), name, {"cpu.cfs_period_us": _CFS_PERIOD_US, "cpu.cfs_quota_us": quota})
+    parent = _own_v1_dir("cpuacct")
+    if parent is not None and cpu is not None and (parent / name).resolve() == cpu.resolve():
+        return cpu, cpu if (cpu / "cpuacct.usage").exists() else None
+    acct = _make(parent, name, {})
+    if acct is not None and not (acct / "cpuacct.usage").exists():
+        _rmdirs([acct])
+        acct = None
+    return cpu, acct
+
+
+def _make(parent: Path | None, name: str, settings: dict[str, int]) -> Path | None:
+    if parent is None:
+        return None
+    d = parent / name
+    try:
+        d.mkdir()
+        for key, value in settings.items():
+            (d / key).write_text(str(value))
+    except OSError:
+        _rmdirs([d])
+        return None
+    return d
+
+
+def rlimits(cfg: SandboxConfig, cgroups: Cgroups | None) -> dict[str, tuple[int, int]]:
+    """The rlimits bwrap and everything in the sandbox inherit (set by the staging helper).
+
+    RLIMIT_CPU is per process, a backstop under the run's CPU budget, which the supervisor
+    enforces over the whole tree: SIGXCPU at the limit, SIGKILL a second later.
     """
-    limits = [f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}", "--core=0"]  # SIGXCPU, then SIGKILL
+    lim = {"cpu": (cfg.cpu_seconds, cfg.cpu_seconds + 1), "core": (0, 0)}
     if cgroups is None:
-        limits.append(f"--as={cfg.memory_mb * 1024 * 1024}")
-    prefix = ["prlimit", *limits, "--"]
-    if cgroups is not None:
-        join = 'for cg in "$@"; do [ "$cg" = -- ] && { shift; break; }; echo $$ > "$cg" || exit 125; shift; done; exec "$@"'
-        prefix = ["/bin/sh", "-c", join, "jaxpi-launch", *map(str, cgroups.join_paths()), "--", *prefix]
-    return prefix
+        lim["as"] = (cfg.memory_mb * 1024 * 1024,) * 2
+    return lim
 
 
 def nproc_argv(cfg: SandboxConfig) -> list[str]:

@@ -29,7 +29,12 @@ def members(namespace: str) -> list[int]:
 
 
 def usage(pids: list[int]) -> tuple[int, int, float]:
-    """(tasks, resident bytes, most CPU seconds of one process) over `pids`; gone pids count 0."""
+    """(tasks, resident bytes, CPU seconds) over `pids`; gone pids count 0.
+
+    The CPU seconds are each process's own and those of its children it has waited for: in a pid
+    namespace, whose init reaps every orphan, that is all the tree ever used, but for children
+    that are reaped without a wait (SIGCHLD ignored), which RLIMIT_CPU still bounds one by one.
+    """
     tasks = rss = 0
     cpu = 0.0
     page, tick = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
@@ -39,9 +44,9 @@ def usage(pids: list[int]) -> tuple[int, int, float]:
             with open(f"/proc/{pid}/statm") as f:
                 rss += int(f.read().split()[1]) * page
             with open(f"/proc/{pid}/stat") as f:
-                # Fields after the parenthesised command name; utime, stime are the 12th and 13th.
+                # Fields after the parenthesised command name: utime, stime, cutime, cstime are 12th-15th.
                 fields = f.read().rsplit(")", 1)[1].split()
-            cpu = max(cpu, (int(fields[11]) + int(fields[12])) / tick)
+            cpu += sum(int(x) for x in fields[11:15]) / tick
         except (OSError, IndexError, ValueError):
             continue
     return tasks, rss, cpu

@@ -5,73 +5,59 @@ reach any address, including the host's loopback. For each allowed endpoint the 
 unix socket in a private directory bound into the sandbox, and `inner_relay.py` inside listens on
 127.0.0.1:port and forwards there. The path is fixed per endpoint: nothing inside can choose the
 destination, so exactly the configured host:port is reachable and nothing else. No daemon: the
-host half is a few threads of the process that runs the sandbox, alive for that run only.
+host half is one thread of the process that runs the sandbox, alive for that run only, carrying
+at most `max_connections` connections at once (the rest are refused); `close()` ends the thread
+and every connection it carried, upstream ones included.
 """
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 from pathlib import Path
 
+from jaxpi.sandbox.inner_relay import Relay, connect_nonblocking
+
 INNER_RELAY = Path(__file__).with_name("inner_relay.py")
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
 
 
 class HostRelay:
     """Serve `endpoints` on unix sockets `<directory>/ep-<port>.sock` until `close()`."""
 
-    def __init__(self, endpoints: tuple[tuple[str, int], ...], directory: Path) -> None:
+    def __init__(
+        self, endpoints: tuple[tuple[str, int], ...], directory: Path, max_connections: int = 64
+    ) -> None:
         self.sockets: dict[int, Path] = {}
-        self._listeners: list[socket.socket] = []
-        self._closed = threading.Event()
+        listeners = []
         for host, port in endpoints:
             path = directory / f"ep-{port}.sock"
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(str(path))
-            path.chmod(0o777)  # the sandbox user may differ from ours
+            path.chmod(0o777)  # the sandbox user differs from ours
             s.listen(64)
-            s.settimeout(0.2)
             self.sockets[port] = path
-            self._listeners.append(s)
-            threading.Thread(target=self._serve, args=(s, (host, port)), daemon=True).start()
+            listeners.append((s, lambda t=(host, port): _connect_tcp(t)))
+        self._relay = Relay(listeners, max_connections)
+        self._thread = threading.Thread(target=self._relay.serve, name="jaxpi-relay", daemon=True)
+        self._thread.start()
 
-    def _serve(self, listener: socket.socket, target: tuple[str, int]) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            # Accepted sockets inherit the listener's timeout; the pumps block instead.
-            conn.settimeout(None)
-            # One upstream connection per sandbox connection: the endpoint sees ordinary clients.
-            try:
-                up = socket.create_connection(target, timeout=10)
-                up.settimeout(None)
-            except OSError:
-                conn.close()
-                continue
-            threading.Thread(target=_pump, args=(conn, up), daemon=True).start()
-            threading.Thread(target=_pump, args=(up, conn), daemon=True).start()
+    @property
+    def refused(self) -> int:
+        """Connections refused at the cap so far."""
+        return self._relay.refused
 
     def inner_args(self, mount_dir: str) -> list[str]:
         """`PORT=SOCKET` arguments for inner_relay.py, with sockets seen under `mount_dir` inside."""
         return [f"{port}={mount_dir}/{path.name}" for port, path in self.sockets.items()]
 
     def close(self) -> None:
-        self._closed.set()
-        for s in self._listeners:
-            s.close()
+        self._relay.stop()
+        self._thread.join()
+
+
+def _connect_tcp(target: tuple[str, int]) -> socket.socket:
+    # One upstream connection per sandbox connection: the endpoint sees ordinary clients. A numeric
+    # address connects without blocking; a name is resolved first (the endpoints are the caller's).
+    host, port = target
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return connect_nonblocking(info[0], info[4])
