@@ -3,14 +3,15 @@
     my-task/
       instruction.md        what the agent is told
       task.toml             [metadata] id, category, difficulty, tags
-                            [limits] wall_seconds, max_turns, max_tokens (+ optional memory_mb, max_procs, cpu_seconds)
+                            [limits] wall_seconds, max_turns, max_tokens (+ optional memory_mb, max_procs,
+                                     cpu_seconds, disk_mb)
                             [verifier] timeout (seconds)
       environment/          initial workspace files (optional; copied into a fresh workspace per attempt)
       tests/test.sh         the verifier: run in the sandbox against the workspace; exit 0 = pass
       solution/solve.sh     the oracle: run in a fresh workspace, after which the verifier must pass
 
-Inside the sandbox the workspace is the working directory, the task's tests are at /tests and
-the solution at /solution, both read-only (never in the workspace the agent sees).
+Inside the sandbox the workspace is the working directory, a copy of the task's tests is at
+/tests and of the solution at /solution, both read-only (never in the workspace the agent sees).
 Every loader error names the task directory and the file or field at fault.
 """
 
@@ -37,14 +38,15 @@ class TaskLimits:
     max_tokens: int = 32768
     memory_mb: int = 1024
     max_procs: int = 128
-    cpu_seconds: int = 300
+    cpu_seconds: int = 300  # CPU time of the whole sandbox (every process), not of each process
+    disk_mb: int = 1024  # the workspace's disk quota in the sandbox (a tmpfs: memory)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"[limits] {f.name} must be a positive number, got {v!r}")
-        for name in ("max_turns", "max_tokens", "memory_mb", "max_procs", "cpu_seconds"):
+        for name in ("max_turns", "max_tokens", "memory_mb", "max_procs", "cpu_seconds", "disk_mb"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"[limits] {name} must be an integer, got {getattr(self, name)!r}")
 
