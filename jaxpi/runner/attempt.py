@@ -39,10 +39,13 @@ from jaxpi.runner.install import PiInstall, find_pi
 from jaxpi.runner.pi_config import LEVELS, PROVIDER, write_pi_home
 from jaxpi.runner.record import AttemptRecord, read_session_summary
 from jaxpi.sandbox import SandboxConfig, run_sandboxed
+from jaxpi.sandbox.stage import UnsafeCopyError, copy_file_out
 from jaxpi.tasks.run import new_workspace, run_verifier
 from jaxpi.tasks.task import Task
 
 EXTENSION_JS = Path(__file__).with_name("pi_extension.js")
+# A session this large is not one Pi wrote within an attempt's token budget: it is refused.
+MAX_SESSION_BYTES = 64 << 20
 _HOME = "/pi"
 _EXTENSION_INSIDE = "/opt/jaxpi/pi_extension.js"
 # The gateway's trace of an attempt: attempt id -> its recorded calls (dicts), or None if unknown.
@@ -145,6 +148,7 @@ def _sandbox_config(task: Task, cfg: RunnerConfig, endpoint: tuple[str, int], pi
         # node + Pi are resident themselves (~200-400 MB); the task's budget is for what the model runs.
         memory_mb=lim.memory_mb + cfg.pi_memory_mb,
         max_procs=lim.max_procs + cfg.pi_procs,
+        disk_mb=lim.disk_mb,  # the workspace and Pi's home (its session) together
         wall_seconds=wall,
         endpoints=(endpoint,),
         ro_binds=(str(pi.prefix),),
@@ -153,14 +157,38 @@ def _sandbox_config(task: Task, cfg: RunnerConfig, endpoint: tuple[str, int], pi
 
 
 def _copy_session(home: Path, out_dir: Path) -> Path | None:
-    # Pi names it <timestamp>_<id>.jsonl under a directory derived from the cwd; one attempt, one session.
-    found = sorted((home / "sessions").rglob("*.jsonl"))
+    """Copy Pi's session file out of `home` (the sandbox wrote it: anything may be there).
+
+    Pi names it <timestamp>_<id>.jsonl under a directory derived from the cwd; one attempt, one
+    session: the last name. The walk and the open go through directory descriptors without
+    following symlinks, and the file must be a regular file with one link on home's file system
+    and at most MAX_SESSION_BYTES (`jaxpi.sandbox.stage.open_beneath`); otherwise ValueError
+    (nothing is written). None when there is no session at all.
+    """
+    root = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            sessions = os.open("sessions", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            kind = "a symlink" if os.path.islink(home / "sessions") else "not a directory"
+            raise UnsafeCopyError(f"{home / 'sessions'}: {kind} ({e.strerror})") from None
+        try:
+            found = sorted(
+                os.path.relpath(os.path.join(d, f), ".")
+                for d, _, files, _ in os.fwalk(".", dir_fd=sessions)
+                for f in files
+                if f.endswith(".jsonl")
+            )
+        finally:
+            os.close(sessions)
+    finally:
+        os.close(root)
     if not found:
         return None
     dst = out_dir / "session.jsonl"
-    tmp = out_dir / ".session.jsonl.tmp"
-    shutil.copyfile(found[-1], tmp)
-    os.replace(tmp, dst)
+    copy_file_out(str(home), f"sessions/{found[-1]}", str(dst), MAX_SESSION_BYTES)
     return dst
 
 
@@ -268,7 +296,10 @@ def _run(
     wall = time.monotonic() - t0
     _write_atomic(out / "events.jsonl", res.stdout)
     _write_atomic(out / "pi_stderr.txt", res.stderr)
-    session = _copy_session(home, out)
+    try:
+        session, unsafe = _copy_session(home, out), None
+    except ValueError as e:  # planted by something in the sandbox: nothing was copied
+        session, unsafe = None, str(e)
     calls = tuple(trace(attempt_id) or ()) if trace is not None else ()
     common = {
         "attempt_id": attempt_id,
@@ -297,6 +328,8 @@ def _run(
         )
 
     summary = None
+    if unsafe is not None:
+        return reject("malformed_session", f"session file refused: {unsafe}")
     if session is not None:
         try:
             summary = read_session_summary(session)
