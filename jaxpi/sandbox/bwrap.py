@@ -54,8 +54,6 @@ BASE_ENV = {
 # The staging helper's own environment: nothing of the caller's (bwrap's init would keep it).
 _HELPER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _STAGE_PY = Path(__file__).with_name("stage.py")
-# In bwrap's command line, the descriptor of staged tree i, which the helper opens and fills in.
-_STAGED = "\0staged:"
 # Only consulted without a memory cgroup: with RLIMIT_AS an allocation fails rather than being
 # killed, and this is how the usual runtimes say so.
 _ALLOC_FAILED = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|[Oo]ut of memory")
@@ -90,18 +88,18 @@ def bwrap_argv(
     env: Mapping[str, str],
     fds: Mapping[str, int],
     relay_args: Sequence[str] = (),
-    mounts: Mapping[str, int] | None = None,
-    rw_mounts: Sequence[str] = (),
+    ro: Mapping[str, str] | None = None,
+    rw: Mapping[str, str] | None = None,
+    relay_dir: str | None = None,
 ) -> list[str]:
     """The full bwrap command line (pure but for a look at the host's top-level directories).
 
-    `fds`: open descriptors for "info" (bwrap's --info-fd), "seccomp" (the compiled filter),
-    "ro_binds" (a list, one per `cfg.ro_binds` path) and, with endpoints, "relay_dir" (holding the
-    sockets and the relay script). `mounts` maps paths inside to descriptors bound read-only;
-    `rw_mounts` are the paths inside of the writable mounts, staged trees 1.. (the workspace is
-    tree 0), whose descriptors the staging helper puts in for the `_STAGED` placeholders.
-    Descriptors pin the very files that were checked, whatever happens to their paths meanwhile,
-    and reach them whatever the modes of the directories above.
+    `fds`: open descriptors for "info" (bwrap's --info-fd) and "seccomp" (the compiled filter).
+    `ro` maps paths inside to the paths bwrap binds read-only there (`cfg.ro_binds` and the
+    caller's mounts, in that order), `rw` the workspace (at `cfg.workspace_mount`) and writable
+    mounts to theirs; `relay_dir` holds the endpoint sockets and the relay script. bwrap finds
+    these by path as the sandbox's uid: they are the staging helper's (`run_sandboxed`'s run
+    directory, mode 0711, as the helper's mount namespace has it).
     """
     bw = bwrap_path() or "bwrap"
     args = [bw, "--unshare-all", "--unshare-user", "--disable-userns"]
@@ -113,16 +111,18 @@ def bwrap_argv(
     # checkout or a toolchain living there) is then mounted on top of the tmpfs, not hidden by it.
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
     args += ["--size", str(cfg.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
-    for path, fd in zip(cfg.ro_binds, fds.get("ro_binds", ()), strict=True):
-        args += ["--ro-bind-fd", str(fd), path]
-    for inside, fd in (mounts or {}).items():
-        args += ["--ro-bind-fd", str(fd), inside]
-    for i, inside in enumerate(rw_mounts, start=1):
-        args += ["--bind-fd", f"{_STAGED}{i}", inside]
-    args += ["--bind-fd", f"{_STAGED}0", cfg.workspace_mount, "--chdir", cfg.workspace_mount]
+    for inside, src in (ro or {}).items():
+        args += ["--ro-bind", src, inside]
+    rw = dict(rw or {})
+    ws = rw.pop(cfg.workspace_mount, None)
+    for inside, src in rw.items():
+        args += ["--bind", src, inside]
+    if ws is not None:
+        args += ["--bind", ws, cfg.workspace_mount]
+    args += ["--chdir", cfg.workspace_mount]
     inner = nproc_argv(cfg)
     if relay_args:
-        args += ["--ro-bind-fd", str(fds["relay_dir"]), _RELAY_DIR]
+        args += ["--ro-bind", str(relay_dir), _RELAY_DIR]
         # The relay binds its ports, forks to the background, and only then does the command start.
         launch = f'python3 {_RELAY_DIR}/relay.py {cfg.max_connections} {" ".join(relay_args)} && exec "$@"'
         inner += ["/bin/sh", "-c", launch, "sandbox"]
@@ -131,18 +131,6 @@ def bwrap_argv(
         args += ["--setenv", k, v]
     args += ["--seccomp", str(fds["seccomp"]), "--info-fd", str(fds["info"]), "--"]
     return args + inner + list(argv)
-
-
-def _check_reachable(path: Path) -> None:
-    # bwrap binds a descriptor by the path it reads back, as the sandbox's uid: every directory
-    # above must be searchable by others.
-    for parent in path.parents:
-        if not parent.stat().st_mode & 0o001:
-            raise ValueError(
-                f"run_sandboxed: {parent} is not searchable by others (mode {parent.stat().st_mode & 0o777:o}); "
-                f"a root caller's sandbox runs as an unprivileged uid, which must reach the read-only "
-                f"mount {path}: put it below directories with mode 0711 or 0755"
-            )
 
 
 def helper_argv(uid: int | None) -> list[str]:
@@ -202,8 +190,9 @@ def run_sandboxed(
     """Run `argv` in a fresh sandbox over `workspace` and wait for it (at most cfg.wall_seconds).
 
     `env` is added to `BASE_ENV` (nothing of the caller's environment gets in). `mounts` maps
-    paths inside to host paths bound read-only there (an agent's extension, a toolchain); they
-    must be readable by the sandbox's uid. `rw_mounts` maps paths inside to host directories that
+    paths inside to host paths bound read-only there (an agent's extension, a toolchain); their
+    own modes must let the sandbox's uid read them (the directories above them need not).
+    `rw_mounts` maps paths inside to host directories that
     are writable inside (an agent's config home, kept apart from the workspace the verifier sees).
     The workspace and `rw_mounts` are copied into the sandbox's quota'd tmpfs (`cfg.disk_mb` for
     all of them) and their contents replaced by what the sandbox left when it ends, killed or
@@ -233,35 +222,43 @@ def run_sandboxed(
         raise ValueError("SandboxConfig.use_cgroups=True but no v1 memory/pids cgroup could be created here")
     # Host root is exempt from RLIMIT_NPROC and owns most of the host: never the sandbox's uid.
     uid = cfg.host_uid if os.geteuid() == 0 else None
-    if uid is not None:
-        for path in [*ro_mounts.values(), *map(Path, cfg.ro_binds)]:
-            _check_reachable(path)
     run_dir = Path(tempfile.mkdtemp(prefix="jaxpi-run-"))
-    run_dir.chmod(0o711)  # bwrap, as the sandbox's uid, finds the staged trees by their paths
+    # bwrap, as the sandbox's uid, finds what it binds by path below here; nothing else can change it.
+    run_dir.chmod(0o711)
     relay = None
     info_r, info_w = os.pipe()
     status_r, status_w = os.pipe()
-    fds: dict[str, int] = {"info": info_w, "status": status_w}
     passed: list[int] = []  # every descriptor the helper gets, closed here once it has them
     try:
-        fds["seccomp"] = seccomp.memfd()
-        trees = [[cfg.workspace_mount, os.open(ws, os.O_RDONLY | os.O_DIRECTORY)]]
-        trees += [[inside, os.open(host, os.O_RDONLY | os.O_DIRECTORY)] for inside, host in rw.items()]
-        ro_fds = {inside: os.open(host, os.O_PATH) for inside, host in ro_mounts.items()}
-        bind_fds = [os.open(p, os.O_PATH) for p in cfg.ro_binds]
-        fds["ro_binds"] = bind_fds  # type: ignore[assignment]
-        passed = [info_w, status_w, fds["seccomp"], *(fd for _, fd in trees), *ro_fds.values(), *bind_fds]
+        seccomp_fd = seccomp.memfd()
+        passed = [info_w, status_w, seccomp_fd]
+        # Trees the helper copies in and out (the workspace first), by descriptor: pinned.
+        trees = []
+        for inside, host in [(cfg.workspace_mount, ws), *rw.items()]:
+            trees.append([inside, os.open(host, os.O_RDONLY | os.O_DIRECTORY)])
+            passed.append(trees[-1][1])
+        # Read-only sources, bound by the helper (as the caller) onto ro/N in its namespace, so that
+        # the sandbox's uid reaches them whatever the modes of the directories above them. By path:
+        # a mount cannot take its source from a descriptor of another mount namespace.
+        (run_dir / "ro").mkdir(mode=0o711)
+        ro, ro_binds = {}, []
+        sources = [*((p, Path(p).resolve()) for p in cfg.ro_binds), *ro_mounts.items()]
+        for i, (inside, host) in enumerate(sources):
+            target = run_dir / "ro" / str(i)
+            target.mkdir() if host.is_dir() else target.touch()
+            ro_binds.append([str(host), str(target)])
+            ro[inside] = str(target)
+        (run_dir / "stage").mkdir()
+        staged = {inside: str(run_dir / "stage" / str(i)) for i, (inside, _) in enumerate(trees)}
         relay_args: list[str] = []
+        relay_dir = run_dir / "relay"
         if cfg.endpoints:
-            relay_dir = run_dir / "relay"
             relay_dir.mkdir(mode=0o711)
             relay_dir.chmod(0o711)  # the sandbox uid must reach the sockets inside (umask aside)
             relay = HostRelay(cfg.endpoints, relay_dir, cfg.max_connections)
             relay_args = relay.inner_args(_RELAY_DIR)
             shutil.copy(INNER_RELAY, relay_dir / "relay.py")
-            fds["relay_dir"] = os.open(relay_dir, os.O_PATH | os.O_DIRECTORY)
-            passed.append(fds["relay_dir"])
-        (run_dir / "stage").mkdir()
+        fds = {"info": info_w, "seccomp": seccomp_fd}
         spec = {
             "parent": os.getpid(),
             "status_fd": status_w,
@@ -269,18 +266,13 @@ def run_sandboxed(
             "disk_bytes": cfg.disk_mb << 20,
             "inodes": max(4096, cfg.disk_mb * 256),
             "trees": trees,
+            "ro_binds": ro_binds,
             "uid": uid,
             "cgroup_procs": [str(p) for p in cgroups.join_paths()] if cgroups is not None else [],
             "rlimits": rlimits(cfg, cgroups),
             # What bwrap may inherit; the helper closes the rest (the host directories above all).
-            "keep_fds": [
-                info_w,
-                fds["seccomp"],
-                *ro_fds.values(),
-                *bind_fds,
-                *([fds["relay_dir"]] if relay else []),
-            ],
-            "bwrap": bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro_fds, list(rw)),
+            "keep_fds": [info_w, seccomp_fd],
+            "bwrap": bwrap_argv(argv, cfg, env or {}, fds, relay_args, ro, staged, str(relay_dir)),
         }
         cmd = [*helper_argv(uid), json.dumps(spec)]
         return _supervise(cmd, cfg, cgroups, info_r, status_r, passed, stdin)

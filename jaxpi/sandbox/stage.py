@@ -6,7 +6,9 @@ It runs between the caller and bubblewrap, in a mount namespace of its own (`uns
 a caller that is not root adds `--user --map-root-user`), so the quota'd file system it makes
 exists for this run only and vanishes with the helper, however it ends:
 
-  1. mount a tmpfs of `disk_bytes` (nosuid, nodev) and copy the workspace and every writable
+  1. bind the read-only sources below the run directory (mode 0711), where bwrap, which binds by
+     path as the sandbox's uid, reaches them whatever the modes of the directories above them;
+     mount a tmpfs of `disk_bytes` (nosuid, nodev) and copy the workspace and every writable
      mount into it (owned by the sandbox's host uid);
   2. fork: the child joins the run's cgroups, sets the rlimits, drops to the unprivileged host
      uid and executes bwrap with an empty environment (bwrap's init, pid 1 inside, keeps the
@@ -37,7 +39,7 @@ _MAX_DEPTH = 128  # deeper directories are not copied (noted): each level holds 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MS_NOSUID, _MS_NODEV = 2, 4
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-_STAGED = "\0staged:"  # as in jaxpi.sandbox.bwrap: bwrap's argument for tree i's descriptor
+_MS_BIND, _MS_REC = 4096, 16384
 
 
 class UnsafeCopyError(ValueError):
@@ -223,11 +225,13 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _mount_tmpfs(path: str, nbytes: int, inodes: int) -> None:
-    opts = f"size={nbytes},nr_inodes={inodes},mode=0711".encode()
-    if _libc().mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
+def _mount(source: str, target: str, fstype: str | None, flags: int, opts: str | None) -> None:
+    def enc(x: str | None) -> bytes | None:
+        return x.encode() if x is not None else None
+
+    if _libc().mount(enc(source), enc(target), enc(fstype), flags, enc(opts)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
 def _child(spec: dict, argv: list[str], keep: set[int]) -> None:
@@ -271,19 +275,22 @@ def main(spec: dict) -> int:
     status_fd, stage = spec["status_fd"], spec["stage_dir"]
     uid = spec["uid"]
     owner = (uid, uid) if uid is not None else None
-    trees = spec["trees"]  # [inside path, host directory descriptor]
+    trees = spec["trees"]  # [inside path, host directory descriptor]; bwrap binds stage/i
     budget = _Budget(spec["disk_bytes"])
     try:
-        _mount_tmpfs(stage, spec["disk_bytes"], spec["inodes"])
+        for source, target in spec["ro_binds"]:  # what bwrap binds read-only, where it can reach it
+            _mount(source, target, None, _MS_BIND | _MS_REC, None)
+        opts = f"size={spec['disk_bytes']},nr_inodes={spec['inodes']},mode=0711"
+        _mount("tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
         stage_fd = os.open(stage, _DIR_FLAGS)
-        staged = []  # tree i's copy, which bwrap binds where the placeholder for i stands
         for i, (_inside, host_fd) in enumerate(trees):
             os.mkdir(str(i), 0o700, dir_fd=stage_fd)
             d = os.open(str(i), _DIR_FLAGS, dir_fd=stage_fd)
-            staged.append(d)
-            copy_tree(host_fd, d, budget, owner, out=False)
-            _set_meta(d, os.fstat(host_fd), owner, out=False)
-            os.set_inheritable(d, True)
+            try:
+                copy_tree(host_fd, d, budget, owner, out=False)
+                _set_meta(d, os.fstat(host_fd), owner, out=False)
+            finally:
+                os.close(d)
     except OSError as e:
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
             why = f"the workspace and writable mounts do not fit in the disk quota ({spec['disk_bytes'] >> 20} MiB): {e}"
@@ -291,12 +298,9 @@ def main(spec: dict) -> int:
             why = f"could not stage the workspace: {e}"
         _status(status_fd, error=why)
         return 125
-    argv = [str(staged[int(a[len(_STAGED) :])]) if a.startswith(_STAGED) else a for a in spec["bwrap"]]
     pid = os.fork()
     if pid == 0:
-        _child(spec, argv, {*spec["keep_fds"], *staged})
-    for fd in staged:
-        os.close(fd)
+        _child(spec, spec["bwrap"], set(spec["keep_fds"]))
     _, wstatus = os.waitpid(pid, 0)
     rc = os.waitstatus_to_exitcode(wstatus)
     rc = rc if rc >= 0 else 128 - rc
