@@ -54,23 +54,13 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxpi.config import QwenConfig
-    from jaxpi.convert.hf import check_checkpoint, load_hf, save_hf
-    from jaxpi.convert.safetensors_io import read_index
+    from jaxpi.convert.hf import check_dir, load_hf, save_hf
 
     src = Path(args.src)
-    cfg = QwenConfig.from_hf(src)
-    index = read_index(src)
-    rules, carried = check_checkpoint(cfg, index)
-    summary = {
-        "source": str(src),
-        "layers": cfg.num_hidden_layers,
-        "layer_types": {t: cfg.layer_types.count(t) for t in sorted(set(cfg.layer_types))},
-        "text_tensors": len(rules),
-        "carried_tensors": len(carried),
-        "dtypes": sorted({index[r.hf].dtype for r in rules}),
-    }
-    if args.check or args.dst is None:
+    only_check = args.check or args.dst is None
+    # config.json, index and headers always; the NaN/Inf scan reads every weight, so only for --check
+    summary = check_dir(src, scan=only_check, progress=not args.json)
+    if only_check:
         _print(summary, args.json, "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\ncheckpoint OK")
         return 0
     _, model = load_hf(src, dtype=args.load_dtype, progress=not args.json)

@@ -4,9 +4,11 @@ Loading streams one HF tensor at a time into our parameters (stacked layer group
 slice by slice into one host buffer, then placed on their sharding), so host memory peaks at about
 the largest jaxpi parameter plus one HF tensor, never the whole model; on CPU the backend adopts
 the host buffer as the parameter, leaving one HF tensor of overhead (docs/convert.md). Saving streams the other way
-into ≤ 5 GB shards written to a temporary directory that is renamed into place at the end: an
-interrupted save never leaves a directory that looks complete. Tensors the text model does not own
-(the vision tower `model.visual.*`, the MTP head `mtp.*`) are carried from `source` byte for byte.
+into ≤ 5 GB shards written to a temporary directory that is renamed into place at the end
+(`jaxpi.atomic.atomic_dir`): an interrupted save never leaves a directory that looks complete,
+the next save cleans what a killed one left, and the output gets the umask's permissions.
+Tensors the text model does not own (the vision tower `model.visual.*`, the MTP head `mtp.*`)
+are carried from `source` byte for byte.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,19 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxpi.atomic import atomic_dir
 from jaxpi.config import QwenConfig
 from jaxpi.convert.safetensors_io import (
     CODES,
     DTYPES,
+    FLOAT_DTYPES,
     CheckpointError,
     PlannedTensor,
     TensorInfo,
+    count_nonfinite,
     read_array,
     read_index,
+    read_json,
     read_raw,
     write_file,
 )
@@ -99,6 +104,63 @@ def check_checkpoint(cfg: QwenConfig, index: dict[str, TensorInfo]) -> tuple[lis
     return rules, carried
 
 
+def read_config(path: str | os.PathLike) -> QwenConfig:
+    """The `QwenConfig` of a checkpoint directory's `config.json`; any fault in the file is a
+    `CheckpointError` that names it."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"no config.json at {f}")
+    raw = read_json(f, "config", limit=64 * 2**20)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{f}: not a JSON object (a HF config is one)")
+    try:
+        return QwenConfig.from_hf(raw)
+    except ValueError as e:
+        hint = " (expected 'qwen3_5_text' or 'qwen3_5')" if "model_type" in str(e) else ""
+        raise CheckpointError(f"{f}: {e}{hint}") from e
+    except (TypeError, AttributeError, KeyError) as e:  # a field of a type the config reader did not expect
+        raise CheckpointError(f"{f}: malformed config ({type(e).__name__}: {e})") from e
+
+
+def check_dir(path: str | os.PathLike, *, scan: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Everything `jaxpi convert --check` checks, without loading the model: config.json, the shard
+    index and every safetensors header (`read_index`), names, shapes and dtypes against the config
+    (`check_checkpoint`), and with `scan` every float tensor read for NaN and Inf. Returns the
+    summary the command prints; raises `CheckpointError` naming the file and tensor."""
+    src = Path(path)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such checkpoint directory")
+    cfg = read_config(src)
+    index = read_index(src)
+    rules, carried = check_checkpoint(cfg, index)
+    summary: dict[str, Any] = {
+        "source": str(src),
+        "layers": cfg.num_hidden_layers,
+        "layer_types": {t: cfg.layer_types.count(t) for t in sorted(set(cfg.layer_types))},
+        "text_tensors": len(rules),
+        "carried_tensors": len(carried),
+        "dtypes": sorted({index[r.hf].dtype for r in rules}),
+    }
+    if scan:
+        bad = []
+        floats = [i for i in index.values() if i.dtype in FLOAT_DTYPES]
+        for info in tqdm(floats, desc="scanning", unit="tensor", disable=not progress):
+            try:
+                nan, inf = count_nonfinite(info)
+            except OSError as e:
+                raise CheckpointError(
+                    f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})"
+                ) from None
+            if nan or inf:
+                counts = ", ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "Inf")) if k)
+                bad.append(f"tensor {info.name!r} in {info.file.name}: {counts}")
+        if bad:
+            more = f" (and {len(bad) - 3} more tensors)" if len(bad) > 3 else ""
+            raise CheckpointError(f"{src}: weights that are not finite: " + "; ".join(bad[:3]) + more)
+        summary["finite"] = f"all {len(floats)} float tensors"
+    return summary
+
+
 def load_hf(
     path: str | os.PathLike,
     dtype: str | jnp.dtype = "float32",
@@ -116,11 +178,7 @@ def load_hf(
     """
     path = Path(path)
     dtype = jnp.dtype(dtype)
-    try:
-        cfg = QwenConfig.from_hf(path)
-    except ValueError as e:
-        hint = " (expected 'qwen3_5_text' or 'qwen3_5')" if "model_type" in str(e) else ""
-        raise CheckpointError(f"{path / 'config.json'}: {e}{hint}") from e
+    cfg = read_config(path)
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     index = read_index(path)
@@ -226,39 +284,14 @@ def save_hf(
         raw = functools.partial(read_raw, info)  # carried as raw bytes, whatever their dtype
         planned.append(PlannedTensor(name, info.dtype, info.shape, raw, size=info.end - info.begin))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         _write_shards(tmp, planned, max_shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(_export_config(cfg, src, planned), indent=2) + "\n")
         if src is not None:
             for f in src.iterdir():
                 if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(f, tmp / f.name)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                    shutil.copyfile(f, tmp / f.name)  # the umask's mode, not the source's
     return out
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out`; an existing `out` is moved aside first and deleted only
-    once the new one is in place, so no moment leaves neither (or a half-deleted one) at `out`."""
-    if not out.exists() and not out.is_symlink():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent)) / out.name
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        shutil.rmtree(old.parent, ignore_errors=True)
-        raise
-    shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def _producer(

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, overload
 
@@ -29,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpi.atomic import atomic_dir
 from jaxpi.config import QwenConfig
-from jaxpi.convert.hf import _swap_into_place, save_hf
+from jaxpi.convert.hf import save_hf
 from jaxpi.convert.safetensors_io import (
     CODES,
     DTYPES,
@@ -513,17 +512,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _atomic_dir(out: Path, write: Any, overwrite: bool) -> Path:
-    """Run `write(tmp)` on a fresh temporary directory beside `out`, then rename it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    """Run `write(tmp)` on a fresh temporary directory beside `out`, then rename it into place
+    (`jaxpi.atomic.atomic_dir`: umask permissions, leftovers of killed runs cleaned)."""
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         write(tmp)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

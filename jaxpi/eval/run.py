@@ -11,14 +11,13 @@ Written atomically (temp file + rename), so a killed run never leaves a half-wri
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxpi import atomic
 from jaxpi.eval.stats import (
     compare_text,
     level_table,
@@ -35,12 +34,8 @@ RESULTS = "results.json"
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    # the umask's permissions, not mkstemp's 0600; a leftover of a killed run is cleaned
+    return atomic.write_text(path, text)
 
 
 class Progress:

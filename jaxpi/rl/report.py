@@ -49,7 +49,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -539,29 +538,17 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
 
 def _atomic_savefig(fig: Any, path: Path) -> Path:
     """Write the figure next to its destination, then rename: a reader never sees half a PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from jaxpi.atomic import atomic_file
+
+    with atomic_file(path, "wb") as f:  # the umask's permissions, not mkstemp's 0600
+        fig.savefig(f, format="png", dpi=120, bbox_inches="tight")
     return path
 
 
 def _atomic_write_text(text: str, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from jaxpi.atomic import write_text
+
+    return write_text(path, text)
 
 
 def _pyplot() -> Any:

@@ -51,7 +51,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -227,9 +226,9 @@ def engine_gap_metrics(
 
 # ---- I/O -----------------------------------------------------------------------------------------
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from jaxpi.atomic import write_text  # cleans the temporary file a killed run left
+
+    write_text(path, text)
 
 
 def truncate_attempts(path: Path, keep_below: int) -> int:

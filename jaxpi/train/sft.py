@@ -749,9 +749,9 @@ def _json_args(name: str) -> Any:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from jaxpi.atomic import write_text  # cleans the temporary file a killed run left
+
+    write_text(path, text)
 
 
 def _report_text(report: dict[str, Any], cfg: SFTConfig) -> str:

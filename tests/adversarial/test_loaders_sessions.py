@@ -437,14 +437,21 @@ def test_gate_faults_name_the_line_of_the_message(tmp_path, capsys):
     assert report["gates"]["excluded_sessions"] == 1
 
 
-def test_bad_invocations_exit_2_without_a_traceback(tmp_path):
+def test_bad_invocations_exit_2_without_a_traceback(tmp_path, capsys):
     _good(tmp_path)
-    for args in (["--min-turns", "x"], ["--max-line-bytes", "-1"], [str(tmp_path / "missing")]):
-        r = subprocess.run(
-            [sys.executable, "-m", "jaxpi.cli", "data", "check", str(tmp_path), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 2, (args, r.stderr)
-        assert "Traceback" not in r.stderr and r.stderr.strip(), (args, r.stderr)
+    for args in (["--min-turns", "x"], ["--max-line-bytes", "-1"], ["--max-session-bytes", "0"]):
+        with pytest.raises(SystemExit) as e:  # argparse: usage and the reason on stderr
+            main(["data", "check", str(tmp_path), *args])
+        assert e.value.code == 2 and "error:" in capsys.readouterr().err, args
+    assert main(["data", "check", str(tmp_path / "missing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    # the console script itself, on binary garbage: exit 1 (nothing admitted), no traceback
+    (tmp_path / "good.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxpi.cli", "data", "check", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{tmp_path / 'good.jsonl'}:1: invalid_utf8" in r.stdout
