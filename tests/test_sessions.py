@@ -208,3 +208,20 @@ def test_user_bash_execution_becomes_user_text(tmp_path):
         "Ran `make`\n```\nboom\n```\n\nCommand exited with code 2",
         "ok",
     ]
+
+
+def test_read_limits_are_validated():
+    from jaxpi.data.sessions import ReadLimits
+
+    assert ReadLimits().max_line_bytes == 4 * 2**20 and ReadLimits().max_session_bytes == 64 * 2**20
+    for bad in (0, -1, 1.5, True, "4MiB"):
+        with pytest.raises(ValueError, match="max_line_bytes"):
+            ReadLimits(max_line_bytes=bad)
+
+
+def test_messages_know_their_lines(tmp_path):
+    entries = [HEADER, _msg("u1", None, {"role": "user", "content": "hi"}), "", _msg("a1", "u1", _asst("ok"))]
+    p = _write(tmp_path, "s.jsonl", entries)
+    s = _one(p)
+    assert s.locations == (f"{p}:2", f"{p}:4") and s.location(1) == f"{p}:4"
+    assert s.location(5) == str(p)  # out of range: the session's source

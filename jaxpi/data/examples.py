@@ -38,7 +38,8 @@ def build_examples(
             rendered = render_session(s, tok, render_cfg)
         except _RENDER_FAILURES as e:  # e.g. reasoning in a turn rendered with thinking off
             detail = str(e) if isinstance(e, RenderError) else f"{s.meta.source}: {type(e).__name__}: {e}"
-            report.exclude(s.meta.source, {"render_error": detail[:500]})
+            where = getattr(e, "location", "") or s.meta.source
+            report.exclude(s.meta.source, {"render_error": detail[:500]}, {"render_error": where})
             report.admitted -= 1
             continue
         longest = max((e.num_tokens for e in rendered), default=0)

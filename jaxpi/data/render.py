@@ -121,7 +121,12 @@ class Example(Mapping):
 
 
 class RenderError(DataError):
-    """The template does not render a session as a prefix-consistent conversation."""
+    """The template does not render a session as a prefix-consistent conversation; `location` is
+    the `file:line` of the assistant turn at fault (empty when unknown)."""
+
+    def __init__(self, message: str, location: str = ""):
+        super().__init__(message)
+        self.location = location
 
 
 @functools.lru_cache(maxsize=8)
@@ -169,6 +174,9 @@ def render_session(session: Session, tok: Any, cfg: RenderConfig) -> list[Exampl
     vocab = tok.get_vocab()
     think_start, think_end = vocab.get("<think>"), vocab.get("</think>")
     src = session.meta.source
+    # `conversation` drops the session's own system message and puts the system prompt first, so
+    # msgs[k] is session.messages[k - shift]
+    shift = len(msgs) - len(session.messages)
 
     def render(upto: int, gen: bool) -> str:
         return tok.apply_chat_template(
@@ -206,11 +214,16 @@ def render_session(session: Session, tok: Any, cfg: RenderConfig) -> list[Exampl
             text, ids, mask, spans, reasoning = "", [], [], [], 0
         full = render(k + 1, False)
         if not full.startswith(prompt):
-            raise RenderError(f"{src}: message {k}: rendering the assistant turn changes its prompt")
+            raise RenderError(
+                f"{src}: message {k}: rendering the assistant turn changes its prompt",
+                session.location(k - shift),
+            )
         own = full[len(prompt) :]
         cut = own.find(eot)
         if cut < 0:
-            raise RenderError(f"{src}: message {k}: no {eot!r} closes the assistant turn")
+            raise RenderError(
+                f"{src}: message {k}: no {eot!r} closes the assistant turn", session.location(k - shift)
+            )
         own = own[: cut + len(eot)]  # the template's newline after it belongs to the next prompt
         # Two encodes, never one over the joined text: BPE merges across the prompt/turn boundary
         # would give ids the engine never produced (it tokenised the prompt, then sampled).

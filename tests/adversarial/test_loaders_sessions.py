@@ -437,6 +437,23 @@ def test_gate_faults_name_the_line_of_the_message(tmp_path, capsys):
     assert report["gates"]["excluded_sessions"] == 1
 
 
+def test_render_faults_name_the_line_of_the_turn(tmp_path, capsys):
+    entries = pi_entries()
+    # reasoning in a turn of effort "off": the template renders it with thinking disabled, which
+    # is not a sequence the model could have produced
+    entries[5] = _set(
+        entries[5],
+        ("message", "content"),
+        [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "ok"}],
+    )
+    entries[6] = _set(entries[6], ("data", "effort"), "off")
+    p = tmp_path / "s.jsonl"
+    p.write_bytes(_lines(entries))
+    rc, report = _check(tmp_path, capsys)
+    assert rc == 1
+    assert [(r["source"], r["reason"]) for r in report["gates"]["excluded"]] == [(f"{p}:6", "render_error")]
+
+
 def test_bad_invocations_exit_2_without_a_traceback(tmp_path, capsys):
     _good(tmp_path)
     for args in (["--min-turns", "x"], ["--max-line-bytes", "-1"], ["--max-session-bytes", "0"]):
