@@ -307,7 +307,7 @@ def test_turn_parsing_to_messages(served):
 
 
 def test_cli_serves_and_stops_on_sigterm(served):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXPI_API_KEY": "k-serve"}
     p = subprocess.Popen(
         [
             sys.executable,
@@ -333,12 +333,57 @@ def test_cli_serves_and_stops_on_sigterm(served):
         info = json.loads(line)
         assert info["pid"] == p.pid
         assert httpx.get(info["url"] + "/health", timeout=10).json()["status"] == "ok"
-        assert httpx.get(info["url"] + "/v1/models", timeout=10).json()["data"][0]["id"] == "ckpt"
+        # The key came from $JAXPI_API_KEY: without it 401, with it the model list.
+        assert httpx.get(info["url"] + "/v1/models", timeout=10).status_code == 401
+        key = {"Authorization": "Bearer k-serve"}
+        models = httpx.get(info["url"] + "/v1/models", headers=key, timeout=10).json()
+        assert models["data"][0]["id"] == "ckpt"
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_serve_flags_map_onto_the_config(monkeypatch):
+    import argparse
+
+    from jaxpi.serve.cli import add_subparser, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_subparser(parser.add_subparsers())
+
+    def cfg(*argv):
+        return serve_config(parser.parse_args(["serve", "--model", "m", *argv]))
+
+    monkeypatch.delenv("JAXPI_API_KEY", raising=False)
+    c = cfg()
+    assert (c.api_key, c.read_timeout_s, c.limits.max_body_bytes, c.max_connections, c.http_workers) == (
+        None,
+        30.0,
+        64 * 2**20,
+        512,
+        128,
+    )
+    c = cfg("--api-key", "k1", "--read-timeout", "2.5", "--max-request-mb", "1", "--max-connections", "9")
+    assert (c.api_key, c.limits.read_timeout_s, c.limits.max_body_bytes, c.limits.max_connections) == (
+        "k1",
+        2.5,
+        2**20,
+        9,
+    )
+    assert "k1" not in repr(c)  # a key never lands in a log line
+    monkeypatch.setenv("JAXPI_API_KEY", "k-env")
+    assert cfg().api_key == "k-env" and cfg("--api-key", "k1").api_key == "k1"
+    for argv, needle in [
+        (("--read-timeout", "0"), "read_timeout_s"),
+        (("--max-connections", "0"), "max_connections"),
+        (("--http-workers", "0"), "http_workers"),
+        (("--max-request-mb", "-1"), "max_request_mb"),
+        (("--api-key", "two words"), "api_key"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            cfg(*argv)
 
 
 def test_peft_and_orbax_adapters_are_loaded_onto_the_base(served, tmp_path):

@@ -26,16 +26,26 @@ EFFORT_ALIASES = {"none": "off"}  # OpenAI's "none" is Pi's "off" (thinking disa
 
 
 class ApiError(Exception):
-    """A request the server refuses; `body()` is OpenAI's error object."""
+    """A request the server refuses; `body()` is OpenAI's error object. `code` defaults to the
+    status (OpenAI names some, e.g. "invalid_api_key"); `headers` go out with the answer."""
 
     def __init__(
-        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: int | str | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.code = status if code is None else code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.status)
+        return error_body(self.message, self.kind, self.param, self.code)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict:

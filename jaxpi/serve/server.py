@@ -1,6 +1,6 @@
 """`jaxpi serve`'s HTTP front: routes, the streaming form, and `start_server` (the Python API).
 
-    GET  /health               200 once the engine is built
+    GET  /health               200 once the engine is built (needs no API key, as vLLM's)
     GET  /v1/models            the one served model
     GET  /jaxpi/stats          batcher counters (requests, engine calls, rows per call)
     POST /v1/chat/completions  chat (stream or not)
@@ -8,7 +8,8 @@
 
 Streaming sends the finished turn as a sequence of chunks (role, reasoning, content, each tool
 call, finish), since the engine decodes a whole batch in one compiled loop without returning to
-the host per token.
+the host per token. With an API key set, every other route needs `Authorization: Bearer <key>`
+(401 without it).
 """
 
 from __future__ import annotations
@@ -19,34 +20,41 @@ from typing import Any
 
 from jaxpi.serve.batcher import Batcher
 from jaxpi.serve.chat import ChatFormat
-from jaxpi.serve.config import ServeConfig
+from jaxpi.serve.config import HttpLimits, ServeConfig
 from jaxpi.serve.httpbase import Handle, JsonHandler, Server
 from jaxpi.serve.protocol import stream_chunks
 from jaxpi.serve.service import Service
 
 
 class ServeHandler(JsonHandler):
-    def __init__(self, *args: Any, service: Service, **kw: Any):
-        self.service = service
+    def __init__(self, *args: Any, service: Service, api_key: str | None = None, **kw: Any):
+        self.service, self.api_key = service, api_key
         super().__init__(*args, **kw)
+
+    def _keyed(self, fn: Any) -> Any:
+        def run() -> None:
+            self.check_key(self.api_key)
+            fn()
+
+        return run
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
         if path == "/health":
             self.guarded(lambda: self.send_json(200, {"status": "ok"}))
         elif path == "/v1/models":
-            self.guarded(lambda: self.send_json(200, self.service.models()))
+            self.guarded(self._keyed(lambda: self.send_json(200, self.service.models())))
         elif path == "/jaxpi/stats":
-            self.guarded(lambda: self.send_json(200, self.service.batcher.stats.as_dict()))
+            self.guarded(self._keyed(lambda: self.send_json(200, self.service.batcher.stats.as_dict())))
         else:
             self.not_found()
 
     def do_POST(self) -> None:
         path = self.path.split("?")[0]
         if path == "/v1/chat/completions":
-            self.guarded(self._chat)
+            self.guarded(self._keyed(self._chat))
         elif path == "/v1/completions":
-            self.guarded(lambda: self.send_json(200, self.service.completions(self.read_json())))
+            self.guarded(self._keyed(lambda: self.send_json(200, self.service.completions(self.read_json()))))
         else:
             self.not_found()
 
@@ -79,8 +87,13 @@ def serve_engine(
     batch_wait_ms: float = 5.0,
     seed: int = 0,
     info: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    limits: HttpLimits | None = None,
 ) -> ServeHandle:
     """Serve an engine that already exists (e.g. the GRPO trainer's, whose weights change).
+
+    `api_key`: clients must send `Authorization: Bearer <api_key>` (None: no key). `limits`:
+    read timeout, body size, connections and worker threads (default `HttpLimits()`).
 
     To swap weights while serving, hold `handle.service.batcher.engine_lock` around
     `engine.update_weights(...)`: batches run under the same lock.
@@ -100,7 +113,7 @@ def serve_engine(
         max_new_tokens=min(max_new_tokens, max_len - 1),
         vocab_size=engine.vocab_size,
     )
-    httpd = Server((host, port), partial(ServeHandler, service=service))
+    httpd = Server((host, port), partial(ServeHandler, service=service, api_key=api_key), limits)
     return ServeHandle(httpd, service, {"model": served, **(info or {})})
 
 
@@ -134,4 +147,6 @@ def start_server(cfg: ServeConfig, *, loaded: Any = None) -> ServeHandle:
         batch_wait_ms=cfg.batch_wait_ms,
         seed=cfg.seed,
         info=info,
+        api_key=cfg.api_key,
+        limits=cfg.limits,
     )
