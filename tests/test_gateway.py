@@ -60,7 +60,15 @@ def stack(tmp_path_factory):
 
 
 def client(stack, attempt):
-    return openai.OpenAI(base_url=stack["gw"].url + "/v1", api_key=attempt, max_retries=0)
+    """An OpenAI client whose API key is the token the gateway issued for `attempt`."""
+    _, token = stack["gw"].gateway.open_attempt(attempt)
+    return openai.OpenAI(base_url=stack["gw"].url + "/v1", api_key=token, max_retries=0)
+
+
+def records(stack, attempt=None):
+    """GET /jaxpi/attempts[/<attempt>] with the gateway's key."""
+    url = stack["gw"].url + "/jaxpi/attempts" + (f"/{attempt}" if attempt else "")
+    return httpx.get(url, headers={"Authorization": f"Bearer {stack['gw'].api_key}"})
 
 
 def ask(stack, c, messages, stream):
@@ -110,7 +118,7 @@ def test_two_call_conversation_is_one_token_exact_sample(stack, stream):
     m2, f2 = ask(stack, c, msgs, stream)
     assert (f2, m2["content"], m2["reasoning_content"]) == ("stop", "It is 42.", "ok")
 
-    calls = httpx.get(f"{stack['gw'].url}/jaxpi/attempts/{attempt}").json()["calls"]
+    calls = records(stack, attempt).json()["calls"]
     assert calls == read_records(stack["records"] / f"{attempt}.jsonl")  # file and endpoint agree
     assert [r["call"] for r in calls] == [0, 1] and all(r["error"] is None for r in calls)
     assert [r["stream"] for r in calls] == [stream, stream]
@@ -168,7 +176,7 @@ def test_edited_history_splits_into_two_samples(stack):
         {"role": "tool", "tool_call_id": m1["tool_calls"][0]["id"], "content": "42"},
     ]
     ask(stack, c, edited, False)
-    calls = httpx.get(f"{stack['gw'].url}/jaxpi/attempts/{attempt}").json()["calls"]
+    calls = records(stack, attempt).json()["calls"]
     got = build_samples(calls, *think_ids(stack["tok"]), attempt=attempt)
     assert (got.calls, got.splits, len(got.samples)) == (2, 1, 2)
     for s, r in zip(got.samples, calls, strict=True):
@@ -177,10 +185,7 @@ def test_edited_history_splits_into_two_samples(stack):
     stats = split_stats(
         [
             got,
-            build_samples(
-                httpx.get(f"{stack['gw'].url}/jaxpi/attempts/task-1.low.0").json()["calls"],
-                *think_ids(stack["tok"]),
-            ),
+            build_samples(records(stack, "task-1.low.0").json()["calls"], *think_ids(stack["tok"])),
         ]
     )
     assert (stats["boundaries"], stats["splits"], stats["split_rate"]) == (2, 1, 0.5)
@@ -248,10 +253,11 @@ def test_upstream_faults_are_502_504_and_recorded(tmp_path):
         ("slow", 504, "upstream_timeout", "within"),
     ]:
         with _stub(mode) as up, start_gateway(up.url, record_dir=str(tmp_path), timeout_s=0.5) as gw:
+            _, token = gw.gateway.open_attempt(f"a-{mode}")
             r = httpx.post(
                 gw.url + "/v1/chat/completions",
                 json=body,
-                headers={"X-Jaxpi-Attempt": f"a-{mode}"},
+                headers={"Authorization": f"Bearer {token}"},
                 timeout=30,
             )
             assert r.status_code == status and needle in r.json()["error"]["message"]
@@ -271,18 +277,19 @@ def test_upstream_killed_gives_502_and_gateway_stays_up(stack):
     with pytest.raises(openai.InternalServerError) as e:
         c.chat.completions.create(model="ckpt", messages=stack["messages"][:2], max_tokens=4)
     assert e.value.status_code == 502 and "unreachable" in str(e.value)
-    (rec,) = httpx.get(f"{stack['gw'].url}/jaxpi/attempts/task-3.low.0").json()["calls"]
+    (rec,) = records(stack, "task-3.low.0").json()["calls"]
     assert rec["error"]["type"] == "upstream_unreachable" and rec["status"] == 502
     assert httpx.get(stack["gw"].url + "/health").json()["status"] == "ok"
-    assert httpx.get(stack["gw"].url + "/v1/models").status_code == 502
+    key = {"Authorization": f"Bearer {stack['gw'].api_key}"}
+    assert httpx.get(stack["gw"].url + "/v1/models", headers=key).status_code == 502
     got = build_samples([rec], *think_ids(stack["tok"]))
     assert got.samples == () and got.failed_calls and "unreachable" in got.failed_calls[0]
-    assert httpx.get(stack["gw"].url + "/jaxpi/attempts/nobody").status_code == 404
-    assert "task-3.low.0" in httpx.get(stack["gw"].url + "/jaxpi/attempts").json()["attempts"]
+    assert records(stack, "nobody").status_code == 404
+    assert "task-3.low.0" in records(stack).json()["attempts"]
 
 
-def test_gateway_cli_process(tmp_path):
-    p = subprocess.Popen(
+def _gateway_process(tmp_path, env):
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -299,16 +306,34 @@ def test_gateway_cli_process(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
     )
+
+
+@pytest.mark.parametrize("key_from", ["env", "generated"])
+def test_gateway_cli_process(tmp_path, key_from):
+    env = {"JAXPI_API_KEY": "k-from-env"} if key_from == "env" else {}
+    p = _gateway_process(tmp_path, env)
     try:
         line = p.stdout.readline()
         assert line, p.stderr.read() if p.poll() is not None else "no output"
-        url = json.loads(line)["url"]
+        info = json.loads(line)
+        # A generated key is printed (the only way to learn it); one from the environment is not.
+        assert ("api_key" in info) == (key_from == "generated")
+        key = info.get("api_key", "k-from-env")
+        url = info["url"]
+        assert httpx.get(url + "/jaxpi/attempts", timeout=30).status_code == 401
+        r = httpx.post(
+            url + "/jaxpi/attempts",
+            json={"attempt": "a1"},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert r.status_code == 201 and r.json()["attempt"] == "a1"
         r = httpx.post(
             url + "/v1/chat/completions",
             json={"messages": []},
-            headers={"Authorization": "Bearer a1"},
+            headers={"Authorization": f"Bearer {r.json()['token']}"},
             timeout=30,
         )
         assert r.status_code == 502
@@ -318,3 +343,34 @@ def test_gateway_cli_process(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_gateway_flags_map_onto_the_config(monkeypatch):
+    import argparse
+
+    from jaxpi.gateway.cli import add_subparser, gateway_config
+
+    parser = argparse.ArgumentParser()
+    add_subparser(parser.add_subparsers())
+
+    def cfg(*argv):
+        return gateway_config(parser.parse_args(["gateway", "--upstream", "http://127.0.0.1:8000", *argv]))
+
+    for var in ("JAXPI_API_KEY", "JAXPI_UPSTREAM_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    c = cfg()
+    assert (c.api_key, c.upstream_api_key, c.record_dir, c.limits.read_timeout_s) == (None, None, None, 30.0)
+    monkeypatch.setenv("JAXPI_API_KEY", "gw-env")
+    monkeypatch.setenv("JAXPI_UPSTREAM_API_KEY", "up-env")
+    c = cfg("--http-workers", "4", "--max-request-mb", "0.5")
+    assert (c.api_key, c.upstream_api_key, c.limits.workers, c.limits.max_body_bytes) == (
+        "gw-env",
+        "up-env",
+        4,
+        2**19,
+    )
+    assert "gw-env" not in repr(c) and "up-env" not in repr(c)
+    c = cfg("--api-key", "gw-flag", "--upstream-api-key", "up-flag")
+    assert (c.api_key, c.upstream_api_key) == ("gw-flag", "up-flag")
+    with pytest.raises(ValueError, match="upstream must be an http"):
+        gateway_config(parser.parse_args(["gateway", "--upstream", "127.0.0.1:8000"]))

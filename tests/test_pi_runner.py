@@ -5,8 +5,9 @@ recording gateway; Pi 0.73.1 in the sandbox with an isolated config home; the ta
 
 1. `jaxpi eval` on the untrained model at low effort (the command starts serve + gateway): the
    table, results.json, the PNG and a paired comparison; Pi's real request is recorded by the
-   gateway (system prompt, the bash tool's schema, `reasoning_effort: low`, the attempt id as API
-   key); the attempt ends at the per-call cap and fails the verifier (an admitted failure).
+   gateway (system prompt, the bash tool's schema, `reasoning_effort: low`, filed under the attempt
+   by the token the gateway issued for it); the attempt ends at the per-call cap and fails the
+   verifier (an admitted failure).
 2. LoRA SFT (30 steps) on one scripted session built from that very request (Pi's system prompt
    + the bash tool, a `bash` call that solves the task, Pi's "(no output)" tool result, a final
    answer): the prompt is ~1.5k tokens with the tiny tokenizer (1626 with both turns), so
@@ -285,7 +286,7 @@ def test_untrained_attempt_records_pis_real_request(untrained):
     assert rec.admitted and not rec.success and rec.finish == "length" and rec.verifier_returncode != 0
     assert rec.turns == 1 and len(rec.calls) == 1 and rec.output_tokens == 8
     call = rec.calls[0]
-    # Filed under the attempt id Pi sent as its API key; the effort level arrived as reasoning_effort.
+    # Filed under the attempt whose token Pi sent as its API key; the effort arrived as reasoning_effort.
     assert call["attempt"] == rec.attempt_id and call["reasoning_effort"] == LEVEL
     req = call["request"]
     assert [t["function"]["name"] for t in req["tools"]] == ["bash"]

@@ -115,6 +115,7 @@ def _eval_one(args: argparse.Namespace, model: str | None, adapter: str | None, 
             name=name,
             runner_cfg=cfg,
             trace=ep.trace,
+            key=ep.key,
             meta=meta,
             progress=not args.json,
         )

@@ -4,7 +4,12 @@ front, or an endpoint someone else runs.
     with policy_endpoint(model="runs/sft/checkpoints/24") as ep:
         ep.url        # http://127.0.0.1:PORT/v1 (the gateway's, when it runs)
         ep.model_id   # the served model name Pi asks for
+        ep.key(id)    # the API key Pi sends for attempt `id`: a token the gateway issues
         ep.trace(id)  # the gateway's call records of one attempt (None without a gateway)
+
+Attempt ids are the caller's names; the gateway files a call under an attempt only by its token,
+so a sandboxed attempt cannot read or append to another's records. `trace(id)` closes the
+attempt first (its token stops working), then reads its records.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jaxpi.runner.attempt import TraceFn
+from jaxpi.runner.attempt import KeyFn, TraceFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +27,7 @@ class Endpoint:
     url: str  # base URL ending in /v1
     model_id: str
     trace: TraceFn | None = None
+    key: KeyFn | None = None  # attempt id -> the API key Pi sends (None: the attempt id)
     gateway: Any = None  # the gateway handle, when we started one
     server: Any = None  # the serve handle, when we started one
 
@@ -63,25 +69,32 @@ def policy_endpoint(
     )
     server = start_server(cfg)
     try:
-        with gateway_in_front(server.url) as (url, trace, gw):
-            yield Endpoint(url=_v1(url), model_id=cfg.name, trace=trace, gateway=gw, server=server)
+        with gateway_in_front(server.url) as (url, trace, key, gw):
+            yield Endpoint(url=_v1(url), model_id=cfg.name, trace=trace, key=key, gateway=gw, server=server)
     finally:
         server.close()
 
 
 @contextlib.contextmanager
-def gateway_in_front(upstream: str, record_dir: str | None = None) -> Iterator[tuple[str, TraceFn, Any]]:
-    """The recording gateway in front of `upstream`: (its URL, attempt id -> call records, handle)."""
+def gateway_in_front(
+    upstream: str, record_dir: str | None = None
+) -> Iterator[tuple[str, TraceFn, KeyFn, Any]]:
+    """The recording gateway in front of `upstream`: (its URL, attempt id -> call records,
+    attempt id -> a new token for it, the handle)."""
     from jaxpi.gateway import start_gateway
 
     gw = start_gateway(upstream, record_dir=record_dir)
     try:
 
+        def key(attempt_id: str) -> str:
+            return gw.gateway.open_attempt(attempt_id)[1]
+
         def trace(attempt_id: str) -> Sequence[dict] | None:
+            gw.gateway.close_attempt(attempt_id)  # the attempt is over: nothing may add to it now
             recs = gw.gateway.store.get(attempt_id)
             return None if recs is None else [call_record(r) for r in recs]
 
-        yield gw.url, trace, gw
+        yield gw.url, trace, key, gw
     finally:
         gw.close()
 

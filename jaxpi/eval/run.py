@@ -26,7 +26,7 @@ from jaxpi.eval.stats import (
     summary,
     table_text,
 )
-from jaxpi.runner.attempt import RunnerConfig, TraceFn, run_attempts
+from jaxpi.runner.attempt import KeyFn, RunnerConfig, TraceFn, run_attempts
 from jaxpi.runner.record import AttemptRecord
 from jaxpi.tasks.task import Task
 
@@ -77,6 +77,7 @@ def evaluate(
     name: str,
     runner_cfg: RunnerConfig | None = None,
     trace: TraceFn | None = None,
+    key: KeyFn | None = None,
     meta: dict[str, Any] | None = None,
     progress: bool = True,
     on_record: Callable[[AttemptRecord], Any] | None = None,
@@ -97,7 +98,9 @@ def evaluate(
             on_record(rec)
 
     t0 = time.time()
-    recs = run_attempts(jobs, endpoint_url, out / "attempts", cfg=runner_cfg, trace=trace, progress=tick)
+    recs = run_attempts(
+        jobs, endpoint_url, out / "attempts", cfg=runner_cfg, trace=trace, key=key, progress=tick
+    )
     records = [r.to_json() for r in recs]
     results = results_object(
         records, levels, name=name, meta={**(meta or {}), "wall_seconds": time.time() - t0}

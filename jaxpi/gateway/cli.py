@@ -8,31 +8,72 @@ from typing import Any
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
+    from jaxpi.serve.cli import add_http_flags
+
     p = sub.add_parser(
         "gateway",
         help="OpenAI-compatible proxy in front of vLLM or jaxpi serve that records token ids and logprobs per attempt",
         description="Forward /v1/chat/completions (streaming or not) upstream with return_token_ids and logprobs, "
-        "answer the client normally, and record every call per attempt (API key or X-Jaxpi-Attempt) in "
-        "--record-dir/<attempt>.jsonl and at GET /jaxpi/attempts/<id>. See docs/serve.md.",
+        "answer the client normally, and record every call per attempt in --record-dir/<attempt>.jsonl. "
+        "Attempts are opened with the gateway's key (POST /jaxpi/attempts -> a token per attempt, the "
+        "client's API key); records are read at GET /jaxpi/attempts/<id>. See docs/serve.md.",
     )
     p.add_argument(
         "--upstream", required=True, help="base URL of vLLM or jaxpi serve, e.g. http://127.0.0.1:8000"
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
-    p.add_argument("--record-dir", default=None, help="where <attempt>.jsonl files go (default: memory only)")
+    p.add_argument(
+        "--record-dir",
+        default=None,
+        help="where <attempt>.jsonl files go (default: a temp dir, removed at exit)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for upstream (then 504)")
-    p.add_argument("--json", action="store_true", help='print {"url": ..., "pid": ...} once serving')
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help="sent upstream as 'Authorization: Bearer KEY' (upstream's --api-key); default $JAXPI_UPSTREAM_API_KEY",
+    )
+    add_http_flags(
+        p,
+        key_help="the gateway's key: opens attempts, reads records, may name a call's attempt "
+        "(X-Jaxpi-Attempt); default $JAXPI_API_KEY, else a random one, printed",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"url": ..., "pid": ...} (and a generated "api_key") once serving',
+    )
     p.set_defaults(fn=cmd_gateway)
     return p
+
+
+def gateway_config(args: argparse.Namespace) -> Any:
+    """The `GatewayConfig` of parsed `jaxpi gateway` arguments."""
+    from jaxpi.serve.cli import http_fields
+    from jaxpi.serve.config import API_KEY_ENV, UPSTREAM_API_KEY_ENV, GatewayConfig
+
+    return GatewayConfig(
+        upstream=args.upstream,
+        host=args.host,
+        port=args.port,
+        record_dir=args.record_dir,
+        timeout_s=args.timeout,
+        upstream_api_key=args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None,
+        **http_fields(args, API_KEY_ENV),
+    )
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from jaxpi.gateway.proxy import start_gateway
     from jaxpi.serve.cli import serve_until_signal
 
-    handle = start_gateway(
-        args.upstream, host=args.host, port=args.port, record_dir=args.record_dir, timeout_s=args.timeout
-    )
-    info = {"url": handle.url, "pid": os.getpid(), "upstream": args.upstream, "record_dir": args.record_dir}
+    try:
+        cfg = gateway_config(args)
+    except ValueError as e:
+        raise SystemExit(f"jaxpi gateway: {e}") from None
+    handle = start_gateway(cfg)
+    info = {"url": handle.url, "pid": os.getpid(), "upstream": cfg.upstream, "record_dir": cfg.record_dir}
+    if cfg.api_key is None:  # generated: the operator learns it here or not at all
+        info["api_key"] = handle.api_key
     return serve_until_signal(handle, info, args.json)

@@ -4,7 +4,7 @@ once on a small pool (`run_attempts`).
 Per attempt, under a private root:
 
     <root>/<attempt>/ws     a fresh workspace from the task (`jaxpi.tasks.run.new_workspace`)
-    <root>/<attempt>/home   Pi's agent dir (models.json -> the gateway, the attempt id as API key)
+    <root>/<attempt>/home   Pi's agent dir (models.json -> the gateway, the attempt's token as API key)
 
 and inside the sandbox (`jaxpi.sandbox.run_sandboxed`):
 
@@ -50,6 +50,8 @@ _HOME = "/pi"
 _EXTENSION_INSIDE = "/opt/jaxpi/pi_extension.js"
 # The gateway's trace of an attempt: attempt id -> its recorded calls (dicts), or None if unknown.
 TraceFn = Callable[[str], Sequence[dict] | None]
+# The API key Pi sends for an attempt: attempt id -> the token the gateway issued for it.
+KeyFn = Callable[[str], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +219,15 @@ def run_attempt(
     out_dir: str | Path,
     cfg: RunnerConfig | None = None,
     trace: TraceFn | None = None,
+    key: KeyFn | None = None,
     root: str | Path | None = None,
     pi: PiInstall | None = None,
     seed: int | None = None,
 ) -> AttemptRecord:
     """Run Pi once on `task` at thinking `level` against `endpoint_url` (the gateway, `.../v1`).
 
-    `attempt_id` is Pi's API key (the gateway's attempt key). `out_dir` receives session.jsonl,
+    `key(attempt_id)` is Pi's API key: the token the gateway issues for the attempt, under which
+    it files the attempt's calls (default: the attempt id itself). `out_dir` receives session.jsonl,
     events.jsonl, verifier.txt and record.json. `trace(attempt_id)` returns the gateway's call
     records after the run (token counts come from them when present). `root` is where the
     workspace and config home are made (default: a private temp dir, removed afterwards).
@@ -241,7 +245,8 @@ def run_attempt(
     base.chmod(0o711)
     try:
         seed = cfg.seed if seed is None else seed
-        rec = _run(task, level, endpoint_url, endpoint, attempt_id, out, cfg, trace, base, pi, seed)
+        api_key = key(attempt_id) if key is not None else attempt_id
+        rec = _run(task, level, endpoint_url, endpoint, attempt_id, out, cfg, trace, base, pi, seed, api_key)
     finally:
         if own_root:
             shutil.rmtree(base, ignore_errors=True)
@@ -261,12 +266,13 @@ def _run(
     base: Path,
     pi: PiInstall,
     seed: int | None,
+    api_key: str,
 ) -> AttemptRecord:
     ws = new_workspace(task, base)
     home = write_pi_home(
         Path(tempfile.mkdtemp(prefix="home-", dir=base)),
         base_url=_inside_url(url),
-        api_key=attempt_id,
+        api_key=api_key,
         model_id=cfg.model_id,
         level=level,
         context_window=cfg.context_window,
@@ -387,11 +393,13 @@ def run_attempts(
     *,
     cfg: RunnerConfig | None = None,
     trace: TraceFn | None = None,
+    key: KeyFn | None = None,
     progress: Callable[[AttemptRecord], Any] | None = None,
 ) -> list[AttemptRecord]:
     """Run (task, level, attempt_id) jobs on a pool of `cfg.jobs`; records in the jobs' order.
 
     Each attempt writes into `out_dir/<attempt_id>/`. `progress(record)` is called as each ends.
+    `trace` and `key` are `run_attempt`'s.
     """
     cfg = cfg or RunnerConfig()
     pi = find_pi()
@@ -412,6 +420,7 @@ def run_attempts(
             out_dir=out / attempt_id,
             cfg=cfg,
             trace=trace,
+            key=key,
             pi=pi,
             seed=seed,
         )

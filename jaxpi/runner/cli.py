@@ -27,7 +27,7 @@ def add_subparser(sub: Any) -> None:
     run = psub.add_parser(
         "run",
         help="one Pi attempt at a task in the sandbox against ENDPOINT, scored by its verifier",
-        description="Fresh workspace, isolated Pi config home (models.json -> ENDPOINT, the attempt id as "
+        description="Fresh workspace, isolated Pi config home (models.json -> ENDPOINT, --api-key as its "
         "API key), Pi in the sandbox at --level, then the task's verifier. Writes session.jsonl, "
         "events.jsonl, verifier.txt and record.json into --out.",
     )
@@ -39,7 +39,15 @@ def add_subparser(sub: Any) -> None:
         "--level", default="medium", help="Pi thinking level (off, minimal, low, medium, high, xhigh)"
     )
     run.add_argument("--model-id", default="policy", help="model name sent to the endpoint")
-    run.add_argument("--attempt-id", default=None, help="API key / gateway attempt id (default: random)")
+    run.add_argument(
+        "--attempt-id", default=None, help="the attempt's id, naming its outputs (default: random)"
+    )
+    run.add_argument(
+        "--api-key",
+        default=None,
+        help="the API key Pi sends: a jaxpi gateway's token for the attempt (POST /jaxpi/attempts), or the "
+        "server's --api-key (default: the attempt id)",
+    )
     run.add_argument("--out", default=None, help="output directory (default: runs/pi/<attempt id>)")
     run.add_argument("--wall-seconds", type=float, default=0.0, help="0 = the task's limit")
     run.add_argument("--json", action="store_true")
@@ -66,7 +74,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     attempt_id = args.attempt_id or f"pi-{uuid.uuid4().hex[:12]}"
     out = args.out or f"runs/pi/{attempt_id}"
     cfg = RunnerConfig(model_id=args.model_id, wall_seconds=args.wall_seconds, jobs=1)
-    rec = run_attempt(task, args.level, args.endpoint, attempt_id, out_dir=out, cfg=cfg)
+    key = (lambda _: args.api_key) if args.api_key else None
+    rec = run_attempt(task, args.level, args.endpoint, attempt_id, out_dir=out, cfg=cfg, key=key)
     if args.json:
         print(json.dumps(rec.to_json(), indent=2))
     else:

@@ -118,7 +118,7 @@ class PiCollector:
             batch_wait_ms=20.0,
         )
         self._gw_cm = gateway_in_front(self._server.url)
-        self._url, self._trace, _ = self._gw_cm.__enter__()
+        self._url, self._trace, self._key, _ = self._gw_cm.__enter__()
         self._out = Path(env.out_dir or tempfile.mkdtemp(prefix="jaxpi-pi-collect-"))
         self._counter = itertools.count()
 
@@ -153,6 +153,7 @@ class PiCollector:
             self._out / f"collection-{n:05d}",
             cfg=self.runner_config(seed),
             trace=self._trace,
+            key=self._key,  # each attempt's calls reach the gateway under a token of its own
         )
         self.records = recs
         out, merged = [], []

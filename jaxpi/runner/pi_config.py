@@ -3,8 +3,8 @@
 Pi reads everything from its agent dir (`dist/config.js`: `PI_CODING_AGENT_DIR`, else
 `~/.pi/agent`), so one fresh directory per attempt keeps attempts from seeing each other or the
 user's own Pi. The provider is an `openai-completions` one whose `baseUrl` is the gateway and whose
-`apiKey` is the attempt id: Pi sends it as `Authorization: Bearer <id>`, which is how the gateway
-files each call under its attempt.
+`apiKey` is the token the gateway issued for the attempt: Pi sends it as `Authorization: Bearer
+<token>`, which is how the gateway files each call under its attempt (and under no other).
 
 Thinking levels (`pi --thinking LEVEL`) reach the server as `reasoning_effort` (pi-ai's
 openai-completions provider: `params.reasoning_effort = thinkingLevelMap[level] ?? level` for
