@@ -651,6 +651,10 @@ def _pi_session(path: Path, lines: list[tuple[int, Any]], faults: list) -> Sessi
         new = _pi_entry_messages(ln, e)
         messages += new
         where += [ln] * len(new)
+    if not messages:
+        raise _RecordError(
+            path_entries[-1][0], "empty_session", "the active branch (its leaf is here) holds no messages"
+        )
     sidecar = _sidecar(path)
     if sidecar is not None:
         meta.update(sidecar)

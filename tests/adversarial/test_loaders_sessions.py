@@ -312,6 +312,17 @@ def test_duplicate_entry_id_is_a_rejection(tmp_path, capsys):
     _assert_rejected(report, f"{bad}:5", "duplicate_id")
 
 
+def test_a_branch_without_messages_is_a_rejection_at_its_leaf(tmp_path, capsys):
+    _good(tmp_path)
+    entries = pi_entries()
+    entries[6] = _set(entries[6], ("parentId",), None)  # the leaf starts a branch of its own
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(_lines(entries))
+    rc, report = _check(tmp_path, capsys)
+    assert rc == 0
+    _assert_rejected(report, f"{bad}:7", "empty_session")
+
+
 # ---- bytes that are not JSON text ----------------------------------------------------------------
 def test_binary_garbage_is_a_rejection_that_names_the_file(tmp_path, capsys):
     _good(tmp_path)
