@@ -356,7 +356,7 @@ def write_file(path: Path, tensors: Iterable[PlannedTensor], metadata: dict[str,
         os.fsync(fh.fileno())
 
 
-def count_nonfinite(info: TensorInfo, chunk_bytes: int = 64 * 2**20) -> tuple[int, int]:
+def count_nonfinite(info: TensorInfo, chunk_bytes: int = 16 * 2**20) -> tuple[int, int]:
     """(NaN count, ±Inf count) of a float tensor, read `chunk_bytes` at a time; (0, 0) for other
     dtypes (integers, bool and the packed or raw formats hold no NaN a scan could find)."""
     if info.dtype not in FLOAT_DTYPES:
