@@ -116,7 +116,11 @@ def read_config(path: str | os.PathLike) -> QwenConfig:
     try:
         return QwenConfig.from_hf(raw)
     except ValueError as e:
-        hint = " (expected 'qwen3_5_text' or 'qwen3_5')" if "model_type" in str(e) else ""
+        hint = (
+            " (expected 'qwen3_5_text' or 'qwen3_5')"
+            if "model_type" in str(e) and "expected" not in str(e)
+            else ""
+        )
         raise CheckpointError(f"{f}: {e}{hint}") from e
     except (TypeError, AttributeError, KeyError) as e:  # a field of a type the config reader did not expect
         raise CheckpointError(f"{f}: malformed config ({type(e).__name__}: {e})") from e
