@@ -61,6 +61,7 @@ def add_subparser(sub: Any) -> None:
     ev.add_argument("--adapter", default=None, help="adapter on top of --model")
     ev.add_argument("--endpoint", default=None, help="use a running OpenAI-compatible endpoint instead")
     ev.add_argument("--model-id", default=None, help="model name sent to --endpoint")
+    ev.add_argument("--api-key", default=None, help="the API key Pi sends to --endpoint (its --api-key)")
     ev.add_argument("--name", default=None, help="name in tables and plots (default: the model dir)")
     ev.add_argument("--out", default=None, help="output directory (default: runs/eval/<name>)")
     ev.add_argument("--compare", default=None, help="a saved eval (dir/results.json) or a checkpoint")
@@ -90,6 +91,7 @@ def _eval_one(args: argparse.Namespace, model: str | None, adapter: str | None, 
         adapter=adapter,
         endpoint=getattr(args, "endpoint", None),
         model_id=getattr(args, "model_id", None),
+        api_key=getattr(args, "api_key", None),
         max_len=args.max_len,
         max_new_tokens=args.max_new_tokens,
         # As many engine rows as attempts in flight: one engine call serves all their turns.

@@ -44,14 +44,17 @@ def policy_endpoint(
     adapter: str | None = None,
     endpoint: str | None = None,
     model_id: str | None = None,
+    api_key: str | None = None,
     max_len: int = 8192,
     max_new_tokens: int = 2048,
     batch: int = 2,
     seed: int = 0,
 ) -> Iterator[Endpoint]:
-    """Serve `model` (+ `adapter`) behind the gateway for the duration, or wrap `endpoint`."""
+    """Serve `model` (+ `adapter`) behind the gateway for the duration, or wrap `endpoint` (whose
+    `--api-key`, if it has one, is `api_key`: Pi sends it for every attempt)."""
     if endpoint is not None:
-        yield Endpoint(url=_v1(endpoint), model_id=model_id or "policy")
+        key = (lambda _: api_key) if api_key else None
+        yield Endpoint(url=_v1(endpoint), model_id=model_id or "policy", key=key)
         return
     if model is None:
         raise ValueError("policy_endpoint: give a model to serve or an endpoint")

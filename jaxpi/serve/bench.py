@@ -5,7 +5,8 @@
 Builds the tiny checkpoint of the tests (random weights, head solved to replay the lookup
 script), serves it on a free port, puts a gateway in front, and times (after one warm-up request
 that compiles the programs): a chat tool-call turn direct and through the gateway (non-streaming
-and streaming), a 64-token token-id completion, and N concurrent completions (batched).
+and streaming), a 64-token token-id completion, N concurrent completions (batched), and a
+keep-alive GET /health (the HTTP front alone).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def run(out: Path, requests: int = 4, repeats: int = 5) -> dict[str, Any]:
                 lambda: post(gw.url + "/v1/chat/completions", {**chat, "stream": True}), repeats
             ),
             "completion_64": _timed(lambda: post(server.url + "/v1/completions", comp), repeats),
+            # The HTTP front alone: a keep-alive request that never reaches the engine.
+            "health_keepalive": _timed(lambda: c.get(server.url + "/health").raise_for_status(), 50),
         }
 
         def concurrent() -> None:
