@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxpi.hf_schema import HFConfigError, text_fields
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "mlp", "mlp_out")
@@ -95,6 +97,8 @@ class QwenConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     attention_bias: bool = False
+    # the embedding row `transformers` builds with `padding_idx`: it gets no gradient (None: none)
+    pad_token_id: int | None = None
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
     # the chunked gated delta rule, one of GDN_IMPLS: "jax" (plain JAX, sequential over chunks),
@@ -166,6 +170,8 @@ class QwenConfig:
                 errors.append(f"attn_kernel {self.attn_kernel!r} applies only to attn_impl pallas")
         except ValueError as e:
             errors.append(str(e))
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            errors.append(f"pad_token_id {self.pad_token_id} is not in [0, vocab_size {self.vocab_size})")
         if self.loss_chunk < 0:
             errors.append(f"loss_chunk {self.loss_chunk} must be >= 0 (0: the LM head at once)")
         if errors:
@@ -193,7 +199,11 @@ class QwenConfig:
     # ---- HF interop ----------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> QwenConfig:
-        """Read a HF `config.json` (a checkpoint directory, the file itself, or its parsed dict)."""
+        """Read a HF `config.json` (a checkpoint directory, the file itself, or its parsed dict).
+
+        Fields are type-checked (`jaxpi.hf_schema`): a mistyped, out-of-range or unsupported field
+        raises `HFConfigError` (a ValueError) naming it. Defaults are `transformers`' own.
+        """
         if isinstance(path_or_dict, dict):
             raw = path_or_dict
         else:
@@ -202,42 +212,39 @@ class QwenConfig:
                 path = path / "config.json"
             if not path.exists():
                 raise FileNotFoundError(f"no config.json at {path}")
-            raw = json.loads(path.read_text())
-        text = raw.get("text_config", raw)
-        if not isinstance(text, dict):
-            raise ValueError("text_config must be a JSON object")
-        model_type = text.get("model_type", raw.get("model_type"))
-        if model_type not in ("qwen3_5_text", "qwen3_5", None):
-            raise ValueError(
-                f"model_type {model_type!r} is not a Qwen3.5 text model (expected 'qwen3_5_text' or 'qwen3_5')"
-            )
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (only 'default')")
-        missing = [k for k in _REQUIRED if k not in text]
-        if missing:
-            raise ValueError(f"config is missing required text fields: {missing}")
-        kwargs: dict[str, Any] = {k: text[k] for k in _REQUIRED}
-        for k in _OPTIONAL:
-            if k in text and text[k] is not None:
-                kwargs[k] = text[k]
-        if "layer_types" not in text and "full_attention_interval" in text:
-            n = int(text["full_attention_interval"])
+            try:
+                raw = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise HFConfigError(f"config.json is not valid JSON: {e}") from None
+        text, tie, _ = text_fields(raw)
+        body = raw.get("text_config", raw) if "text_config" in raw else raw
+        kwargs: dict[str, Any] = {k: getattr(text, k) for k in _REQUIRED}
+        kwargs["linear_conv_kernel_dim"] = text.linear_conv_kernel_dim
+        kwargs["rms_norm_eps"] = float(text.rms_norm_eps)
+        if text.max_position_embeddings is not None:
+            kwargs["max_position_embeddings"] = text.max_position_embeddings
+        if text.layer_types is not None:
+            kwargs["layer_types"] = tuple(text.layer_types)
+        else:  # transformers' rule: full attention every `full_attention_interval` (4) layers
+            n = text.full_attention_interval or 4
             kwargs["layer_types"] = tuple(
-                FULL if (i + 1) % n == 0 else LINEAR for i in range(text["num_hidden_layers"])
+                FULL if (i + 1) % n == 0 else LINEAR for i in range(text.num_hidden_layers)
             )
-        kwargs["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
-        kwargs["partial_rotary_factor"] = float(
-            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        )
-        # Tied embeddings: a multimodal checkpoint keeps the flag at the top level.
-        kwargs["tie_word_embeddings"] = bool(
-            text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        )
+        rope = text.rope_parameters or text.rope_scaling
+        # transformers' defaults when a checkpoint gives none: theta 10000, a quarter rotated
+        theta = (rope and rope.rope_theta) or text.rope_theta or 10_000.0
+        factor = (rope and rope.partial_rotary_factor) or text.partial_rotary_factor or 0.25
+        kwargs["rope_theta"], kwargs["partial_rotary_factor"] = float(theta), float(factor)
+        kwargs["tie_word_embeddings"] = tie
+        if text.pad_token_id is not None:  # a negative id counts from the end, as nn.Embedding's
+            kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
         kwargs["hf_extra"] = tuple(
-            sorted((k, _freeze(v)) for k, v in text.items() if k not in _KNOWN and k not in _DERIVED)
+            sorted((k, _freeze(v)) for k, v in body.items() if k not in _KNOWN and k not in _DERIVED)
         )
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise HFConfigError(str(e)) from None
 
     def to_hf(self) -> dict[str, Any]:
         """The text config as HF writes it for `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`)."""
@@ -257,6 +264,7 @@ class QwenConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
             "attention_bias": self.attention_bias,
+            **({} if self.pad_token_id is None else {"pad_token_id": self.pad_token_id}),
             "rope_parameters": rope,
             **extra,
         }
@@ -284,7 +292,12 @@ _OPTIONAL = (
     "hidden_act",
     "attention_bias",
 )
-_KNOWN = set(_REQUIRED) | set(_OPTIONAL) | {"tie_word_embeddings", "model_type", "architectures"}
+_KNOWN = set(_REQUIRED) | set(_OPTIONAL) | {
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
+    "pad_token_id",
+}
 # Fields folded into our own (rope) or re-derived, so not carried as extras.
 # The storage dtype is a property of the files, written by `save_hf`, not of the architecture.
 _DERIVED = {
@@ -294,6 +307,8 @@ _DERIVED = {
     "full_attention_interval",
     "dtype",
     "torch_dtype",
+    # settings of the layers that are checked to be the only value jaxpi implements
+    "attention_dropout",
 }
 
 

@@ -461,7 +461,7 @@ BAD = {
     ),
     "model_type": (
         dict(config_edit=lambda c: c.update(model_type="llama")),
-        ["config.json", "model_type 'llama'", "expected 'qwen3_5_text' or 'qwen3_5'"],
+        ["config.json", "model_type", "'llama'", "'qwen3_5_text' or 'qwen3_5'"],
     ),
     "lm_head_tied_shape": (
         dict(
