@@ -4,7 +4,8 @@
     s           = -inf where u > t (by position), or segments differ, or the key slot is empty
     o_{b,t,h}   = Σ_u softmax_u(s)_{b,h,t,u} · v_{b,u,h/G}
 
-Scores and softmax are float32 whatever the inputs' dtype (as `transformers` does).
+Scores and softmax are float32 whatever the inputs' dtype (as `transformers` does); float64 inputs
+stay float64.
 
 `causal_attention` is the same core for a sequence attending to itself (training, prefill without
 a cache), computed in query blocks: block i reads only keys up to its own end, so the fully
@@ -18,16 +19,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpi.kernels.dtypes import compute_dtype
+
 _NEG = -1e30  # finite "minus infinity": a fully masked row then gives a uniform, not NaN, softmax
 # Query block of `causal_attention`: 8 blocks at T = 2048 execute 56 % of the dense scores; smaller
 # blocks save little more and unroll more, smaller matmuls.
 ATTN_BLOCK = 256
 
 
-def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[B, T, rotary_dim]` for integer positions `[B, T]` (HF's rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+def rope_tables(
+    positions: jax.Array, rotary_dim: int, theta: float, dtype: jnp.dtype = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, rotary_dim]` for integer positions `[B, T]` (HF's rotate-half layout), in
+    `dtype` or float32, whichever is wider (float32 as `transformers` computes them)."""
+    dtype = compute_dtype(jnp.dtype(dtype))
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim))
+    freqs = positions.astype(dtype)[..., None] * inv_freq  # [B, T, rotary_dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, rotary_dim]
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -63,7 +70,7 @@ def attention(
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]: query heads grouped by their kv head
     with jax.named_scope("scores"):
-        s = jnp.einsum("btkgd,bukd->bkgtu", qg, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgd,bukd->bkgtu", qg, k, preferred_element_type=compute_dtype(q))
         s = s * (d**-0.5)
     with jax.named_scope("mask"):
         mask = kv_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
@@ -109,7 +116,7 @@ def causal_attention(
         hi = min(lo + c, t)
         kb, vb = k[:, :hi], v[:, :hi]  # the keys this block can see
         with jax.named_scope("scores"):
-            s = jnp.einsum("btkgd,bukd->bkgtu", q_block, kb, preferred_element_type=jnp.float32)
+            s = jnp.einsum("btkgd,bukd->bkgtu", q_block, kb, preferred_element_type=compute_dtype(q))
             s = s * (d**-0.5)  # [B, Hkv, G, hi - lo, hi]
         with jax.named_scope("mask"):
             # A numpy constant: token lo + i sees keys ≤ lo + i.

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxpi.kernels import inject
+from jaxpi.kernels.dtypes import upcast
 
 
 def _segment_runs(segment_ids: jax.Array, num_state: int) -> jax.Array:
@@ -45,7 +49,28 @@ def causal_conv1d(
         tap_runs = jnp.stack([runs[:, i : i + length] for i in range(num_taps)], axis=2)  # [B, T, K]
         taps = jnp.where((tap_runs == runs[:, -length:, None])[..., None], taps, 0)
         new_state = jnp.where((runs[:, length:] == runs[:, -1:])[..., None], new_state, 0)
-    y = jnp.einsum("btkc,kc->btc", taps.astype(jnp.float32), weight.astype(jnp.float32))
+    taps, weight = upcast(taps), upcast(weight)
+    if inject.active() == "conv-short-chunk-dw":
+        y = inject.backward_of(_conv_taps, _conv_taps_short_chunk_dw)(taps, weight)
+    else:
+        y = _conv_taps(taps, weight)
     if activation:
         y = jax.nn.silu(y)
     return y.astype(x.dtype), new_state
+
+
+def _conv_taps(taps: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.einsum("btkc,kc->btc", taps, weight)
+
+
+def _conv_taps_short_chunk_dw(taps: jax.Array, weight: jax.Array) -> jax.Array:
+    """The injected bug "conv-short-chunk-dw", as a function whose VJP is the buggy one: dx is
+    right; dW reads each token's taps from its own block of c = K − 2 tokens and the block before
+    only, so with blocks shorter than the window minus one the taps that reach further are lost."""
+    length, num_taps = taps.shape[1], taps.shape[2]
+    block = max(1, num_taps - 2)
+    lag = num_taps - 1 - np.arange(num_taps)  # tap k reads token t − lag_k
+    offset = np.arange(length) % block
+    seen = jnp.asarray(lag[None, :] <= offset[:, None] + block, taps.dtype)  # [T, K]
+    stop = jax.lax.stop_gradient
+    return _conv_taps(taps, stop(weight)) + _conv_taps(stop(taps) * seen[None, :, :, None], weight)

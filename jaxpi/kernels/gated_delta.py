@@ -48,12 +48,53 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpi.config import GDN_IMPLS
+from jaxpi.kernels import inject
+from jaxpi.kernels.dtypes import compute_dtype, upcast
 
 _L2_EPS = 1e-6
 
 
-def _l2norm(x: jax.Array) -> jax.Array:
+def _l2norm_value(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+@jax.custom_vjp
+def _l2norm_missing_inv_norm(x: jax.Array) -> jax.Array:
+    """The injected bug "l2norm-no-inv-norm": the right values, dx = dy − x̂ (x̂·dy) without the
+    1/‖x‖ of the true dx = (dy − x̂ (x̂·dy)) / ‖x‖."""
+    return _l2norm_value(x)
+
+
+def _l2_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _l2norm_value(x), x
+
+
+def _l2_bwd(x: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    xh = _l2norm_value(x)
+    return (dy - xh * jnp.sum(xh * dy, axis=-1, keepdims=True),)
+
+
+_l2norm_missing_inv_norm.defvjp(_l2_fwd, _l2_bwd)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    """x / sqrt(‖x‖² + eps), with transformers' eps inside the root (a zero vector stays zero)."""
+    if inject.active() == "l2norm-no-inv-norm":
+        return _l2norm_missing_inv_norm(x)
+    return _l2norm_value(x)
+
+
+@jax.custom_vjp
+def _exp_pre_exp_grad(x: jax.Array) -> jax.Array:
+    """The injected bug "gate-grad-pre-exp": exp(x), differentiated as if d exp(x) = x dx."""
+    return jnp.exp(x)
+
+
+_exp_pre_exp_grad.defvjp(lambda x: (jnp.exp(x), x), lambda x, ct: (ct * jnp.where(jnp.isfinite(x), x, 0.0),))
+
+
+def _decay_exp(x: jax.Array) -> jax.Array:
+    return _exp_pre_exp_grad(x) if inject.active() == "gate-grad-pre-exp" else jnp.exp(x)
 
 
 def _prepare_qk(
@@ -66,7 +107,7 @@ def _prepare_qk(
     num_k_heads = k.shape[-2]
     if num_v_heads % num_k_heads:
         raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    q, k = upcast(q), upcast(k)
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
@@ -77,8 +118,8 @@ def _prepare_qk(
 
 def _initial_state(initial_state: jax.Array | None, v: jax.Array, dk: int) -> jax.Array:
     if initial_state is None:
-        return jnp.zeros((v.shape[0], v.shape[-2], dk, v.shape[-1]), jnp.float32)
-    return initial_state.astype(jnp.float32)
+        return jnp.zeros((v.shape[0], v.shape[-2], dk, v.shape[-1]), compute_dtype(v))
+    return initial_state.astype(compute_dtype(initial_state, v))
 
 
 def _segment_resets(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
@@ -117,8 +158,8 @@ def gated_delta_step(
     Returns (output [B, Hv, Dv] in v's dtype, new state float32).
     """
     q, k = _prepare_qk(q, k, v.shape[-2], use_qk_l2norm)
-    v32, g32, beta32 = (x.astype(jnp.float32) for x in (v, g, beta))
-    out, state = _delta_step(state.astype(jnp.float32), q, k, v32, g32, beta32)
+    v32, g32, beta32 = (upcast(x) for x in (v, g, beta))
+    out, state = _delta_step(state.astype(compute_dtype(state, v)), q, k, v32, g32, beta32)
     return out.astype(v.dtype), state
 
 
@@ -145,7 +186,7 @@ def recurrent_gated_delta_rule(
         out, state = _delta_step(state, *token)
         return state, out
 
-    tokens = (qp, kp, *(x.astype(jnp.float32) for x in (v, g, beta)))
+    tokens = (qp, kp, *(upcast(x) for x in (v, g, beta)))
     xs = [jnp.moveaxis(x, 1, 0) for x in (resets, *tokens)]  # scan wants time leading: [T, B, ...]
     with jax.named_scope("token_scan"):
         state, out = jax.lax.scan(step, _initial_state(initial_state, v, kp.shape[-1]), xs)
@@ -218,7 +259,7 @@ def _segment_sums(g: jax.Array) -> jax.Array:
     """
     size = g.shape[-1]
     below = jnp.asarray(np.tril(np.ones((size, size), bool), -1))
-    upto = jnp.asarray(np.tril(np.ones((size, size), np.float32)))
+    upto = jnp.asarray(np.tril(np.ones((size, size))), g.dtype)
     terms = jnp.where(below, g[..., :, None], 0.0)
     return jnp.einsum("it,...tj->...ij", upto, terms, precision=jax.lax.Precision.HIGHEST)
 
@@ -238,7 +279,7 @@ def _intra_chunk(
         gamma = jnp.cumsum(g, axis=-1)
         seg = _segment_sums(g)  # γ_i − γ_j, summed per pair (see the module docstring)
         # −inf before the exp: above the diagonal the sums are 0, but those pairs must vanish
-        pair_decay = jnp.exp(jnp.where(same, seg, -jnp.inf))
+        pair_decay = _decay_exp(jnp.where(same, seg, -jnp.inf))
         read_decay = jnp.where(reach, jnp.exp(gamma), 0.0)
         write_decay = jnp.where(to_end, jnp.exp(seg[..., -1, :]), 0.0)
     with jax.named_scope("ut_transform"):
@@ -445,16 +486,41 @@ def chunked_gated_delta_rule_with(
     each [N, B, H, ...]); `out` is [N, B, H, C, Dv]. `_chunk_scan` is the plain-JAX scan; the Pallas
     kernels (`jaxpi.kernels.pallas`) replace only this part, so both share every other op.
     """
+    batch, length, _, _ = v.shape
+    state = _initial_state(initial_state, v, k.shape[-1])
+    resets = _segment_resets(segment_ids, batch, length)
+
+    def run(q, k, v, g, beta, state, resets):
+        return _chunked(scan, q, k, v, g, beta, state, resets, chunk_size, use_qk_l2norm)
+
+    def late(q, k, v, g, beta, state, resets):  # the injected bug: every reset one token late
+        return run(q, k, v, g, beta, state, jnp.pad(resets[:, :-1], ((0, 0), (1, 0))))
+
+    if inject.active() == "segment-reset-off-by-one":
+        return inject.backward_of(run, late)(q, k, v, g, beta, state, resets)
+    return run(q, k, v, g, beta, state, resets)
+
+
+def _chunked(
+    scan: ChunkScan,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    resets: jax.Array,
+    chunk_size: int,
+    use_qk_l2norm: bool,
+) -> tuple[jax.Array, jax.Array]:
     batch, length, num_v_heads, _ = v.shape
     with jax.named_scope("l2norm_and_scale"):
         qp, kp = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)
-    state = _initial_state(initial_state, v, kp.shape[-1])
-    resets = _segment_resets(segment_ids, batch, length)
 
     # padding: zero q/k/v, g = 0 (no decay), β = 0 (no write), no reset (continues the last segment)
     pad = -length % chunk_size
-    qp, kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (qp, kp, v.astype(jnp.float32)))
-    gp, betap = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    qp, kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (qp, kp, upcast(v)))
+    gp, betap = (jnp.pad(upcast(x), ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
     resets = jnp.pad(resets, ((0, 0), (0, pad)))
 
     chunks = _intra_chunk(

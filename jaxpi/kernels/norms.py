@@ -19,9 +19,9 @@ The backward passes, with s the effective scale (1 + w, or w · silu(z)) and ĝ 
 
 The forward saves only x (and z) and recomputes r, as a fused kernel does.
 
-`inject_bug(name)` swaps in a known-bad backward (the forward is untouched) so that the parity
-harness can prove it catches the class of bug where a fused norm keeps the loss and changes the
-gradients (see `KNOWN_BUGS`).
+`inject_bug(name)` (`jaxpi.kernels.inject`) swaps in a known-bad backward (the forward is
+untouched) so that the parity harness can prove it catches the class of bug where a fused norm
+keeps the loss and changes the gradients (see `KNOWN_BUGS`).
 
 `impl="pallas"` runs the same functions as Pallas kernels (`jaxpi.kernels.pallas.norms`); these
 plain-JAX versions stay the reference and the CPU path.
@@ -29,36 +29,18 @@ plain-JAX versions stay the reference and the CPU path.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxpi.kernels.dtypes import upcast
+from jaxpi.kernels.inject import NORM_BUGS, active
+from jaxpi.kernels.inject import inject_bug as inject_bug  # re-exported: the norms' bugs live here
+
 IMPLS = ("jax", "pallas")
-KNOWN_BUGS: dict[str, str] = {
-    "rmsnorm-dx-no-offset": "RMSNorm dX uses w instead of (1 + w)",
-    "rmsnorm-dx-double-weight": "RMSNorm dX applies the weight twice in its variance term",
-    "gated-norm-pre-gate": "gated RMSNorm dX and dW are taken from the recomputed pre-gate output (no silu(z))",
-}
-_active_bug: str | None = None
-
-
-@contextlib.contextmanager
-def inject_bug(name: str | None) -> Iterator[None]:
-    """Trace the norms with a known-bad backward inside this context (`None` = correct kernels).
-
-    The choice is read at trace time: functions jitted outside the context keep their kernels.
-    """
-    global _active_bug
-    if name is not None and name not in KNOWN_BUGS:
-        raise ValueError(f"unknown bug {name!r}; known: {sorted(KNOWN_BUGS)}")
-    previous, _active_bug = _active_bug, name
-    try:
-        yield
-    finally:
-        _active_bug = previous
+KNOWN_BUGS = NORM_BUGS  # the norms' share of `jaxpi.kernels.inject.KNOWN_BUGS`
 
 
 def _rsqrt_ms(x32: jax.Array, eps: float) -> jax.Array:
@@ -73,8 +55,8 @@ def _sum_rows(a: jax.Array) -> jax.Array:
 
 
 def _rms_fwd_math(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * _rsqrt_ms(x32, eps) * (1.0 + w.astype(jnp.float32))
+    x32 = upcast(x)
+    y = x32 * _rsqrt_ms(x32, eps) * (1.0 + upcast(w))
     return y.astype(x.dtype)
 
 
@@ -88,7 +70,7 @@ def _make_rms_norm(bug: str | None):
 
     def bwd(eps, res, dy):
         x, w = res
-        x32, dy32, w32 = x.astype(jnp.float32), dy.astype(jnp.float32), w.astype(jnp.float32)
+        x32, dy32, w32 = upcast(x), upcast(dy), upcast(w)
         r = _rsqrt_ms(x32, eps)
         xh = x32 * r
         scale = w32 if bug == "rmsnorm-dx-no-offset" else 1.0 + w32
@@ -114,8 +96,8 @@ def _make_gated_norm(bug: str | None):
 
     def bwd(eps, res, dy):
         x, z, w = res
-        x32, z32, w32 = x.astype(jnp.float32), z.astype(jnp.float32), w.astype(jnp.float32)
-        dy32 = dy.astype(jnp.float32)
+        x32, z32, w32 = upcast(x), upcast(z), upcast(w)
+        dy32 = upcast(dy)
         r = _rsqrt_ms(x32, eps)
         xh = x32 * r
         sig = jax.nn.sigmoid(z32)
@@ -133,8 +115,8 @@ def _make_gated_norm(bug: str | None):
 
 
 def _gated_fwd_math(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = w.astype(jnp.float32) * (x32 * _rsqrt_ms(x32, eps)) * jax.nn.silu(z.astype(jnp.float32))
+    x32 = upcast(x)
+    y = upcast(w) * (x32 * _rsqrt_ms(x32, eps)) * jax.nn.silu(upcast(z))
     return y.astype(x.dtype)
 
 
@@ -159,7 +141,7 @@ def rms_norm(
     splits); the plain path needs none (XLA partitions it).
     """
     if impl == "jax":
-        return _RMS.get(_active_bug, _RMS[None])(x, weight, eps)
+        return _RMS.get(active(), _RMS[None])(x, weight, eps)
     if impl == "pallas":
         # imported here: the Pallas kernels are only traced when asked for
         from jaxpi.kernels.pallas.norms import pallas_rms_norm
@@ -182,7 +164,7 @@ def gated_rms_norm(
     impl, axes: as for `rms_norm` (`inject_bug` applies to "jax" only).
     """
     if impl == "jax":
-        return _GATED.get(_active_bug, _GATED[None])(x, gate, weight, eps)
+        return _GATED.get(active(), _GATED[None])(x, gate, weight, eps)
     if impl == "pallas":
         from jaxpi.kernels.pallas.norms import pallas_gated_rms_norm
 

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpi.config import FULL, QwenConfig, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
+from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.params import constant, constrain, log_uniform, normal, param
@@ -57,7 +58,7 @@ def project(
         name = hf or proj
         a = getattr(mod, f"lora_a_{name}")[...]
         # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
-        xf = x.astype(jnp.float32)
+        xf = upcast(x)
         rate = getattr(mod, "lora_dropout", 0.0)
         if dropout_key is not None and rate > 0.0:
             # One mask per HF module (keyed by its name), so in_proj_qkv's three parts see the same
@@ -273,16 +274,10 @@ class GatedDeltaNet(nnx.Module):
             v = constrain(outs[2], GDN_V_AXES)
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(
-                project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", dropout_key=dropout_key).astype(
-                    jnp.float32
-                )
+                upcast(project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", dropout_key=dropout_key))
             )
-            a = project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", dropout_key=dropout_key).astype(
-                jnp.float32
-            )
-            g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-                a + self.dt_bias[...].astype(jnp.float32)
-            )
+            a = upcast(project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", dropout_key=dropout_key))
+            g = -jnp.exp(upcast(self.A_log[...])) * jax.nn.softplus(a + upcast(self.dt_bias[...]))
         state = None if cache is None else cache["state"]
         with jax.named_scope("delta_rule"):
             if cache is not None and t == 1:

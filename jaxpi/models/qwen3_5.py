@@ -185,9 +185,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 if segment_ids is not None
                 else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             )
-        rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+        rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, self.embed.get_value().dtype)
         kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
-        h = constrain(jnp.take(self.embed[...], input_ids, axis=0), ("batch", "seq", "embed"))
+        h = jnp.take(self.embed[...], input_ids, axis=0)
+        if cfg.pad_token_id is not None:
+            # nn.Embedding(padding_idx=pad): the pad row's lookups pass no gradient to the table
+            # (the row stays as trained; a tied LM head still trains it through the logits)
+            h = jnp.where((input_ids == cfg.pad_token_id)[..., None], jax.lax.stop_gradient(h), h)
+        h = constrain(h, ("batch", "seq", "embed"))
         new_cache: dict[str, Any] | None = None if cache is None else {"lengths": lengths + t}
         p, g = layer_plan(cfg)
         if self.groups is not None:
