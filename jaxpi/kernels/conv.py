@@ -59,8 +59,41 @@ def causal_conv1d(
     return y.astype(x.dtype), new_state
 
 
+# Tokens per partial sum of the weight gradient (see `_conv_taps`).
+DW_BLOCK = 256
+
+
+@jax.custom_vjp
 def _conv_taps(taps: jax.Array, weight: jax.Array) -> jax.Array:
+    """y_{b,t,c} = Σ_k taps_{b,t,k,c} · weight_{k,c}, with the weight gradient summed in two levels.
+
+    dW_{k,c} = Σ_{b,t} taps_{b,t,k,c} · dy_{b,t,c} is a sum over every token: one long float32
+    contraction's rounding grows with B·T (measured against float64 at [2, 4096, 144]: 1.5e-6,
+    3.5× transformers' conv1d). Summing blocks of DW_BLOCK tokens first and the blocks' partial
+    sums after keeps both levels short (the same terms; 0.4e-6 there).
+    """
     return jnp.einsum("btkc,kc->btc", taps, weight)
+
+
+def _conv_taps_fwd(taps: jax.Array, weight: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _conv_taps(taps, weight), (taps, weight)
+
+
+def _conv_taps_bwd(res: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    taps, weight = res
+    dtaps = jnp.einsum("btc,kc->btkc", dy, weight)
+    rows, (num_taps, channels) = taps.shape[0] * taps.shape[1], taps.shape[2:]
+    block = min(DW_BLOCK, rows)
+    pad = -rows % block
+    t = jnp.pad(taps.reshape(rows, num_taps, channels), ((0, pad), (0, 0), (0, 0)))
+    d = jnp.pad(dy.reshape(rows, channels), ((0, pad), (0, 0)))
+    partial = jnp.einsum(  # [blocks, K, C]
+        "nskc,nsc->nkc", t.reshape(-1, block, num_taps, channels), d.reshape(-1, block, channels)
+    )
+    return dtaps, jnp.sum(partial, axis=0).astype(weight.dtype)
+
+
+_conv_taps.defvjp(_conv_taps_fwd, _conv_taps_bwd)
 
 
 def _conv_taps_short_chunk_dw(taps: jax.Array, weight: jax.Array) -> jax.Array:
