@@ -1,6 +1,7 @@
 """`jaxpi`: the command-line front door.
 
-jaxpi parity --hf-dir DIR [--seq-len N] [--batch B] [--dtype float32|bfloat16] [--inject BUG] [--json]
+jaxpi parity --hf-dir DIR [--seq-len N] [--batch B] [--dtype float32|bfloat16] [--reference auto|fp64|fp32]
+             [--segments K] [--inject BUG] [--json]
 jaxpi convert --from DIR --to OUT [--dtype bfloat16] [--max-shard-size 5GB] [--check] [--json]
 jaxpi tiny-checkpoint OUT [--kind causal|conditional] [--layers N] [--seed S] [--dtype float32]
 jaxpi data check PATHS... [--tokenizer DIR] [--json]
@@ -48,6 +49,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         seed=args.seed,
         inject=args.inject,
+        reference=args.reference,
+        segments=args.segments,
     )
     _print(report.to_json(), args.json, report.table(args.top))
     return 0 if report.passed else 1
@@ -81,10 +84,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_tiny(args: argparse.Namespace) -> int:
     from jaxpi.config import TINY
-    from jaxpi.hf_fixtures import make_checkpoint
+    from jaxpi.hf_fixtures import make_checkpoint, make_hf_checkpoint
 
-    cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
-    out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype)
+    if args.hf_config is not None:
+        try:
+            text = json.loads(args.hf_config)
+        except json.JSONDecodeError as e:
+            print(f"jaxpi tiny-checkpoint: --hf-config is not JSON: {e}", file=sys.stderr)
+            return 2
+        out = make_hf_checkpoint(
+            args.out,
+            text,
+            kind=args.kind,
+            tie=args.tied,
+            weights=args.weights,
+            strong_decay=args.strong_decay,
+            seed=args.seed,
+        )
+    else:
+        cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
+        out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype)
     print(out)
     return 0
 
@@ -217,13 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--batch", type=int, default=2)
     par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     par.add_argument("--seed", type=int, default=0)
-    from jaxpi.kernels.norms import KNOWN_BUGS
+    from jaxpi.kernels.inject import KNOWN_BUGS
 
+    par.add_argument(
+        "--reference",
+        choices=["auto", "fp64", "fp32"],
+        default="auto",
+        help="what the errors are measured against: transformers in float64 (auto: where it fits in "
+        "memory) or transformers' own run of --dtype",
+    )
+    par.add_argument(
+        "--segments",
+        type=int,
+        default=1,
+        help="pack each row with this many sequences of random lengths (transformers runs each alone)",
+    )
     par.add_argument(
         "--inject",
         choices=sorted(KNOWN_BUGS),
         default=None,
-        help="swap in a known-bad fused-norm backward; the harness must fail and name the parameters",
+        help="swap in a known-bad backward (norms, conv, DeltaNet); the harness must fail and name the "
+        "parameters (segment-reset-off-by-one needs --segments 2 or more)",
     )
     par.add_argument("--top", type=int, default=15, help="gradient rows shown in the table")
     par.add_argument("--json", action="store_true", help="print one JSON object")
@@ -258,6 +291,22 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tied", action="store_true", help="tie_word_embeddings")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tiny.add_argument(
+        "--hf-config",
+        default=None,
+        help="a text config as JSON (config.json's fields), built with transformers instead of the tiny preset",
+    )
+    tiny.add_argument(
+        "--weights",
+        choices=["init", "random"],
+        default="init",
+        help="with --hf-config: transformers' init with norms and gates perturbed, or every weight random",
+    )
+    tiny.add_argument(
+        "--strong-decay",
+        action="store_true",
+        help="with --hf-config: A_log in [1, 3], dt_bias in [1, 4] (decays of -10 to -80 per token)",
+    )
     tiny.set_defaults(fn=cmd_tiny)
 
     pl = sub.add_parser(

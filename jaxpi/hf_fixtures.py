@@ -115,6 +115,75 @@ def make_checkpoint(
     return out
 
 
+_TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "num_position_embeddings": 16,
+}
+
+
+def make_hf_checkpoint(
+    out_dir: str | os.PathLike,
+    text_config: dict[str, Any],
+    *,
+    kind: str = "causal",
+    tie: bool = False,
+    weights: str = "init",
+    strong_decay: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A checkpoint from a raw text config (as config.json holds it), built by `transformers`.
+
+    weights "init": transformers' own initialisation (the pad row zero, A_log = log U(0, 16),
+    norms at their identity), then every norm weight, A_log and dt_bias moved by 0.1·N(0, 1) so no
+    parameter sits at its init; "random": every weight random (`randomize_`). strong_decay: A_log
+    ~ U(1, 3) and dt_bias ~ U(1, 4), per-token decays g of −10 to −80, the regime where a state is
+    erased within a token. kind "conditional": a `Qwen3_5ForConditionalGeneration` with a tiny
+    vision tower and MTP tensors, tied by its top-level flag as transformers ties it.
+    """
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    if weights not in ("init", "random"):
+        raise ValueError(f"weights must be 'init' or 'random', not {weights!r}")
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    if kind == "causal":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config, tie_word_embeddings=tie))
+    elif kind == "conditional":
+        vision = {**_TINY_VISION, "out_hidden_size": text_config["hidden_size"]}
+        hf = Qwen3_5Config(text_config=dict(text_config), vision_config=vision, tie_word_embeddings=tie)
+        model = Qwen3_5ForConditionalGeneration(hf)
+    else:
+        raise ValueError(f"kind must be 'causal' or 'conditional', not {kind!r}")
+    model = model.float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        if weights == "random":
+            randomize_(model, seed)
+        for name, p in model.named_parameters():
+            if weights == "init" and ("norm" in name or name.endswith(("A_log", "dt_bias"))):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            if strong_decay and name.endswith("A_log"):
+                p.copy_(1.0 + 2.0 * torch.rand(p.shape, generator=gen))
+            if strong_decay and name.endswith("dt_bias"):
+                p.copy_(1.0 + 3.0 * torch.rand(p.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    if kind == "conditional":
+        _append_mtp(out, QwenConfig.from_hf(out), seed)
+    return out
+
+
 def _copy_tiny_tokenizer(out: Path, cfg: QwenConfig) -> None:
     import shutil
 

@@ -24,8 +24,11 @@ def test_parity_json_passes_and_names_every_parameter(ckpt, capsys):
     names = [g["name"] for g in report["grads"]]
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
     assert len(names) == len(set(names)) > 50
-    errs = [g["rel_err"] for g in report["grads"]]
-    assert errs == sorted(errs, reverse=True) and max(errs) <= 1e-3
+    assert report["reference"] == "fp64"  # transformers in float64 is the arbiter
+    ratios = [g["ratio"] for g in report["grads"]]
+    assert ratios == sorted(ratios, reverse=True)  # worst first: jaxpi's error over torch's own
+    assert max(g["rel_err"] for g in report["grads"]) <= 1e-3
+    assert all(g["torch_rel_err"] is not None and g["passed"] for g in report["grads"])
 
 
 def test_parity_with_an_injected_bug_exits_1(ckpt, capsys):

@@ -69,22 +69,27 @@ def check(report) -> None:
     assert report.loss_rel_diff <= 1e-5, "\n" + report.table()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# (a), (b) and (d) are kinds the fuzzed test draws (tests/test_parity_fuzz.py): make test-slow
+@pytest.mark.parametrize(
+    "case", [c if c[0] in "ce" else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)]
+)
 def test_fp32_parity(case: str, tmp_path):
     cfg, kind, seq_len = CASES[case]
     hf_dir = make_checkpoint(tmp_path / case, cfg, kind=kind, seed=sorted(CASES).index(case))
     report = run_parity(hf_dir, seq_len=seq_len, batch=2, dtype="float32", seed=1)
     print(report.table(top=5))
     check(report)
-    assert {n for n, _ in report.grads} == expected_grad_names(hf_dir, cfg.tie_word_embeddings)
-    assert all(np.isfinite(e) for _, e in report.grads)
+    assert {e.name for e in report.grads} == expected_grad_names(hf_dir, cfg.tie_word_embeddings)
+    assert all(np.isfinite(e.ours) for e in report.grads)
     if kind == "conditional":
-        assert all(n.startswith("model.language_model.") or n == "lm_head.weight" for n, _ in report.grads)
+        assert all(
+            e.name.startswith("model.language_model.") or e.name == "lm_head.weight" for e in report.grads
+        )
         assert any(n.startswith("model.visual.") for n in read_index(hf_dir))  # the tower was there
     if case.startswith("c-"):
         p, g = layer_plan(cfg)
         assert (p, g) == (4, 2) and cfg.num_hidden_layers - p * g == 1  # scanned groups + a tail
-        assert "lm_head.weight" not in dict(report.grads)
+        assert "lm_head.weight" not in {e.name for e in report.grads}
 
 
 def test_remat_full_matches_none(tmp_path):
@@ -122,10 +127,10 @@ def test_bf16_parity_tiny(seed: int, tmp_path):
     report = run_parity(hf_dir, seq_len=64, batch=2, dtype="bfloat16", seed=seed)
     print(report.table(top=5))
     table = "\n" + report.table()
-    errs = sorted(e for _, e in report.grads)
+    errs = sorted(e.ours for e in report.grads)
     assert report.logits_rel <= BF16_LOGITS_BOUND, table
     assert report.loss_rel_diff <= BF16_LOSS_BOUND, table
-    assert report.grads[0][1] <= BF16_GRAD_BOUND, table
+    assert errs[-1] <= BF16_GRAD_BOUND, table
     assert errs[len(errs) // 2] <= BF16_MEDIAN_GRAD_BOUND, table
     assert report.passed, table  # the harness's own bf16 thresholds
 

@@ -1,0 +1,140 @@
+"""`transformers`' Qwen3.5 as the parity reference: float32, bfloat16, and a true float64.
+
+`transformers` computes several steps in float32 whatever the model's dtype: the RMSNorms
+(`x.float()`), the gated norm, the rotary tables, the softmax, the decay gate
+(`A_log.float()`) and the whole chunked gated delta rule (`.to(torch.float32)`). A model loaded
+with `dtype=torch.float64` is therefore not a float64 computation: its DeltaNet gradients carry
+the same float32 rounding as the float32 model's, and an arbiter built on it favours torch's own
+float32 run. `float64_modeling()` executes the same modeling source with each of those upcasts
+widened to float64 (a checked, textual change of the listed casts and nothing else), so the
+reference is `transformers`' algorithm in double precision throughout. Tests check that it is:
+its logits equal jaxpi's own float64 run to ~1e-13, where any float32 step would show at ~1e-7.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+# Every float32 upcast in the pinned transformers' modeling_qwen3_5.py, and how many it has. A
+# new transformers release that moves them fails here instead of silently computing in float32.
+_UPCASTS = {
+    ".to(torch.float32": 4,  # gated norm (2), chunked and recurrent gated delta rules
+    "dtype=torch.float32)": 1,  # the attention softmax
+    ".float()": 11,  # rotary tables (2), decay gate (2 + 1 in a comment), RMSNorm (2), rope on q/k (4)
+    "dtype=torch.float)": 4,  # rotary inverse frequencies
+}
+
+
+def _widen(source: str) -> str:
+    found = {k: source.count(k) for k in _UPCASTS}
+    if found != _UPCASTS:
+        raise RuntimeError(
+            f"{_MODULE}: its float32 upcasts changed ({found}, expected {_UPCASTS}); "
+            "the float64 reference must be re-checked against this transformers version"
+        )
+    # the ConditionalGeneration model builds its towers through AutoModel, which would pick the
+    # original (float32-upcasting) classes: build this module's own instead
+    for tower, cls in (("text_config", "Qwen3_5TextModel"), ("vision_config", "Qwen3_5VisionModel")):
+        call = f"AutoModel.from_config(config.{tower})"
+        if source.count(call) != 1:
+            raise RuntimeError(f"{_MODULE}: expected one {call}; the float64 reference must be re-checked")
+        source = source.replace(call, f"{cls}._from_config(config.{tower})")
+    out = source.replace(".to(torch.float32", ".to(torch.float64")
+    out = out.replace("dtype=torch.float32)", "dtype=torch.float64)")
+    out = out.replace(".float()", ".double()")
+    out = out.replace("dtype=torch.float)", "dtype=torch.float64)")
+    if "torch.float32" in out or "torch.float)" in out or ".float()" in out:
+        raise RuntimeError(f"{_MODULE}: a float32 cast is left after widening")
+    return out
+
+
+@functools.cache
+def float64_modeling() -> types.ModuleType:
+    """`modeling_qwen3_5` with its float32 upcasts widened to float64 (see the module docstring)."""
+    original = importlib.import_module(_MODULE)
+    path = Path(original.__file__)
+    module = types.ModuleType(_MODULE + "_float64")
+    module.__file__ = str(path)
+    module.__package__ = original.__package__
+    sys.modules[module.__name__] = module
+    # dont_inherit: this file's `from __future__ import annotations` would turn its annotations into strings
+    exec(compile(_widen(path.read_text()), str(path), "exec", dont_inherit=True), module.__dict__)
+    return module
+
+
+def _quiet() -> None:
+    import transformers
+
+    # The fallback-kernel notices and load bars would drown the report.
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_reference(hf_dir: str | Path, dtype: str) -> Any:
+    """The checkpoint as a `transformers` model (eager attention, CPU, eval mode) in `dtype`:
+    "float32", "bfloat16", or "float64" (`float64_modeling`'s classes)."""
+    import torch
+    from transformers import AutoConfig
+
+    _quiet()
+    kind = AutoConfig.from_pretrained(hf_dir).model_type
+    module = float64_modeling() if dtype == "float64" else importlib.import_module(_MODULE)
+    cls = module.Qwen3_5ForConditionalGeneration if kind == "qwen3_5" else module.Qwen3_5ForCausalLM
+    model = cls.from_pretrained(hf_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
+    foreign = {
+        type(m).__qualname__
+        for m in model.modules()
+        if type(m).__module__.startswith("transformers.")
+        and type(m).__module__ not in (module.__name__, "transformers.activations")
+    }
+    if foreign:  # a submodule built from another module's classes would compute in its precision
+        raise RuntimeError(
+            f"the {dtype} reference holds modules from outside {module.__name__}: {sorted(foreign)}"
+        )
+    return model.eval()
+
+
+def reference_grads(
+    hf_dir: str | Path, ids: np.ndarray, dtype: str, segment_ids: np.ndarray | None = None
+) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
+    """Logits, mean next-token loss and every parameter's gradient (as float64 numpy arrays).
+
+    segment_ids [B, T]: packed rows. transformers has no packed form, so each segment runs on
+    its own (positions from 0, no state carried in) and the loss is the mean over the next-token
+    pairs inside segments: what a packed run must equal.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    model = load_reference(hf_dir, dtype)
+    wide = torch.float64 if dtype == "float64" else torch.float32
+    x = torch.tensor(ids, dtype=torch.long)
+    if segment_ids is None:
+        logits = model(input_ids=x, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].to(wide).reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    else:
+        rows, total, pairs = [], 0.0, 0
+        for b in range(x.shape[0]):
+            bounds = np.flatnonzero(np.diff(segment_ids[b])) + 1
+            pieces = []
+            for lo, hi in zip([0, *bounds], [*bounds, x.shape[1]], strict=True):
+                part = x[b : b + 1, lo:hi]
+                lg = model(input_ids=part, use_cache=False).logits
+                pieces.append(lg[0])
+                if hi - lo > 1:
+                    total = total + F.cross_entropy(lg[0, :-1].to(wide), part[0, 1:], reduction="sum")
+                    pairs += hi - lo - 1
+            rows.append(torch.cat(pieces))
+        logits = torch.stack(rows)
+        loss = total / max(pairs, 1)
+    loss.backward()
+    grads = {n: p.grad.to(torch.float64).numpy() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().to(torch.float64).numpy(), float(loss.item()), grads
