@@ -1,15 +1,34 @@
 """`jaxpi gateway`: a recording OpenAI-compatible proxy, and the trajectory builder over its records."""
 
-from jaxpi.gateway.proxy import start_gateway
-from jaxpi.gateway.records import RecordStore, read_records
-from jaxpi.gateway.trajectory import (
-    AttemptSamples,
-    Sample,
-    build_samples,
-    split_stats,
-    think_ids,
-    to_trajectory,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxpi.gateway.proxy import start_gateway
+    from jaxpi.gateway.records import RecordStore, read_records
+    from jaxpi.gateway.trajectory import (
+        AttemptSamples,
+        Sample,
+        build_samples,
+        split_stats,
+        think_ids,
+        to_trajectory,
+    )
+
+# name -> the module that defines it, imported on first use (PEP 562)
+_WHERE = {
+    "start_gateway": "jaxpi.gateway.proxy",
+    "RecordStore": "jaxpi.gateway.records",
+    "read_records": "jaxpi.gateway.records",
+    "AttemptSamples": "jaxpi.gateway.trajectory",
+    "Sample": "jaxpi.gateway.trajectory",
+    "build_samples": "jaxpi.gateway.trajectory",
+    "split_stats": "jaxpi.gateway.trajectory",
+    "think_ids": "jaxpi.gateway.trajectory",
+    "to_trajectory": "jaxpi.gateway.trajectory",
+}
 
 __all__ = [
     "AttemptSamples",
@@ -22,3 +41,15 @@ __all__ = [
     "think_ids",
     "to_trajectory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'jaxpi.gateway' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

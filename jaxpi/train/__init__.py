@@ -1,15 +1,33 @@
 """Training: pure loss and step functions, their sharded jit, the LoRA SFT trainer (`jaxpi.train.sft`)."""
 
-from jaxpi.train.step import (
-    init_opt_state,
-    interleave_microbatches,
-    jit_train_step,
-    loss_and_grads,
-    make_train_step,
-    next_token_loss,
-    split_trainable,
-    target_weights,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxpi.train.step import (
+        init_opt_state,
+        interleave_microbatches,
+        jit_train_step,
+        loss_and_grads,
+        make_train_step,
+        next_token_loss,
+        split_trainable,
+        target_weights,
+    )
+
+# name -> the module that defines it, imported on first use (PEP 562)
+_WHERE = {
+    "init_opt_state": "jaxpi.train.step",
+    "interleave_microbatches": "jaxpi.train.step",
+    "jit_train_step": "jaxpi.train.step",
+    "loss_and_grads": "jaxpi.train.step",
+    "make_train_step": "jaxpi.train.step",
+    "next_token_loss": "jaxpi.train.step",
+    "split_trainable": "jaxpi.train.step",
+    "target_weights": "jaxpi.train.step",
+}
 
 __all__ = [
     "init_opt_state",
@@ -21,3 +39,15 @@ __all__ = [
     "split_trainable",
     "target_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'jaxpi.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
