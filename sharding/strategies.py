@@ -26,7 +26,7 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxpi.models.params import ActivationResolver, activation_sharding
+from jaxpi.axes import ActivationResolver, activation_sharding
 
 MeshAxes = str | Sequence[str] | None
 MeshLike = Mesh | AbstractMesh

@@ -88,7 +88,6 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
         ("sharding.planner", "jaxpi.lora"),
         ("sharding.planner", "jaxpi.models.qwen3_5"),
         ("sharding.planner", "jaxpi.train.step"),  # the planner moves up to jaxpi/plan/
-        ("sharding.strategies", "jaxpi.models.params"),  # imports jaxpi.axes instead
     }
 )
 
