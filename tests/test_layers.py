@@ -73,7 +73,6 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
         ("jaxpi.kernels.pallas.gdn", "jaxpi.kernels.gated_delta"),  # the chunk algorithms split out
         ("jaxpi.kernels.pallas.sharded", "jaxpi.models.params"),  # imports jaxpi.axes instead
         ("jaxpi.runner.collector", "jaxpi.envs.agent_loop"),
-        ("jaxpi.runner.collector", "jaxpi.eval.endpoint"),  # gateway_in_front moves to gateway/
         ("jaxpi.runner.collector", "jaxpi.gateway"),
         ("jaxpi.runner.collector", "jaxpi.serve"),
         ("jaxpi.runner.grpo", "jaxpi.rl.trainer"),  # the Pi environment moves into rl/
@@ -97,7 +96,7 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
 LAZY_OK = ("jaxpi.cli", "jaxpi.kernels")
 # Measured on the tree of 2026-12-01 (the multi-seed study's rl/study.py included); lower it as
 # imports move up to module level.
-LAZY_BUDGET = 169
+LAZY_BUDGET = 168
 
 # Entry points run as processes (`python -m jaxpi.cli ...`), not imported: not edges.
 PROCESS_ENTRY_POINTS = frozenset({"jaxpi.cli"})

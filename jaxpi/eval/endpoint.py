@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from jaxpi.gateway.front import gateway_in_front
 from jaxpi.runner.attempt import KeyFn, TraceFn
 
 
@@ -76,40 +77,3 @@ def policy_endpoint(
             yield Endpoint(url=_v1(url), model_id=cfg.name, trace=trace, key=key, gateway=gw, server=server)
     finally:
         server.close()
-
-
-@contextlib.contextmanager
-def gateway_in_front(
-    upstream: str, record_dir: str | None = None
-) -> Iterator[tuple[str, TraceFn, KeyFn, Any]]:
-    """The recording gateway in front of `upstream`: (its URL, attempt id -> call records,
-    attempt id -> a new token for it, the handle)."""
-    from jaxpi.gateway import start_gateway
-
-    gw = start_gateway(upstream, record_dir=record_dir)
-    try:
-
-        def key(attempt_id: str) -> str:
-            return gw.gateway.open_attempt(attempt_id)[1]
-
-        def trace(attempt_id: str) -> Sequence[dict] | None:
-            gw.gateway.close_attempt(attempt_id)  # the attempt is over: nothing may add to it now
-            recs = gw.gateway.store.get(attempt_id)
-            return None if recs is None else [call_record(r) for r in recs]
-
-        yield gw.url, trace, key, gw
-    finally:
-        gw.close()
-
-
-def call_record(rec: dict) -> dict:
-    """A gateway record with its token counts flat (`completion_tokens`, `reasoning_tokens`; None
-    for a failed call), as the runner sums them."""
-    ids = rec.get("completion_token_ids")
-    usage = rec.get("usage") or {}
-    details = usage.get("completion_tokens_details") or {}
-    return {
-        **rec,
-        "completion_tokens": len(ids) if isinstance(ids, list) else None,
-        "reasoning_tokens": details.get("reasoning_tokens") if ids is not None else None,
-    }

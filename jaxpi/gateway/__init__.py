@@ -6,6 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jaxpi.gateway.front import call_record, gateway_in_front
     from jaxpi.gateway.proxy import start_gateway
     from jaxpi.gateway.records import RecordStore, read_records
     from jaxpi.gateway.trajectory import (
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 # name -> the module that defines it, imported on first use (PEP 562)
 _WHERE = {
+    "call_record": "jaxpi.gateway.front",
+    "gateway_in_front": "jaxpi.gateway.front",
     "start_gateway": "jaxpi.gateway.proxy",
     "RecordStore": "jaxpi.gateway.records",
     "read_records": "jaxpi.gateway.records",
@@ -35,6 +38,8 @@ __all__ = [
     "RecordStore",
     "Sample",
     "build_samples",
+    "call_record",
+    "gateway_in_front",
     "read_records",
     "split_stats",
     "start_gateway",

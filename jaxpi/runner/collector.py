@@ -97,8 +97,7 @@ class PiCollector:
     """
 
     def __init__(self, cfg: Any, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
-        from jaxpi.eval.endpoint import gateway_in_front
-        from jaxpi.gateway import think_ids
+        from jaxpi.gateway import gateway_in_front, think_ids
         from jaxpi.serve import serve_engine
 
         self.cfg, self.engine, self.env = cfg, engine, env
