@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, parse_attn_kernel, parse_gdn_kernel
+from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, TINY, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
@@ -363,8 +363,7 @@ def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
         from jaxpi.envs.toy_sft import make_toy_base
 
         return make_toy_base(base, seed=cfg.train.seed, layers=cfg.model.tiny_layers)
-    from jaxpi.config import TINY
-    from jaxpi.hf_fixtures import make_checkpoint
+    from jaxpi.convert.tiny import make_checkpoint  # torch and transformers, when asked for
 
     tmp = run_dir / f"base.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -12,14 +12,13 @@ import os
 from pathlib import Path
 
 from jaxpi.config import TINY, QwenConfig
+from jaxpi.convert.tiny import make_checkpoint
 
 VLLM_TINY: QwenConfig = TINY.replace(linear_key_head_dim=64, linear_value_head_dim=64)
 
 
 def make_vllm_checkpoint(out: str | os.PathLike, *, seed: int = 0, layers: int = 4) -> Path:
     """Write the tiny vLLM-compatible checkpoint (bf16, tokenizer included) into `out` atomically."""
-    from jaxpi.hf_fixtures import make_checkpoint
-
     out = Path(out)
     if (out / "config.json").exists():
         return out
