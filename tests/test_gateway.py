@@ -2,7 +2,7 @@
 calls, token-exact merged trajectories, splits on edited history, and upstream failures.
 
 Upstream is a tiny checkpoint whose head replays a scripted tool conversation
-(`jaxpi.serve.scripted`), so a real two-call agent exchange happens at temperature 0.
+(`jaxpi.testing.scripted`), so a real two-call agent exchange happens at temperature 0.
 """
 
 import contextlib
@@ -27,7 +27,7 @@ from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.serve import ServeConfig, start_server
 from jaxpi.serve.httpbase import Handle, JsonHandler
 from jaxpi.serve.loading import Loaded
-from jaxpi.serve.scripted import lookup_script, scripted_model
+from jaxpi.testing.scripted import lookup_script, scripted_model
 
 CFG = TINY.replace(hidden_size=128, intermediate_size=256)  # hidden >= the script's supervised tokens
 MAX_TOKENS = 64

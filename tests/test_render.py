@@ -17,9 +17,9 @@ from jaxpi.data import (
     read_sessions,
     render_session,
 )
-from jaxpi.data.demo import demo_files, write_demo
 from jaxpi.data.render import conversation
 from jaxpi.data.tiny_tokenizer import ASSETS, SPECIAL_TOKENS, VOCAB_SIZE, tokenizer_files
+from jaxpi.testing.demo_data import demo_files, write_demo
 
 CFG = RenderConfig(TINY_TOKENIZER)
 

@@ -2,7 +2,7 @@
 token-id completions against the trainer's log-probs, batching of concurrent requests, errors.
 
 The served model is a tiny random checkpoint whose LM head is solved to replay one scripted tool
-conversation (`jaxpi.serve.scripted`), so greedy requests produce real tool calls through the
+conversation (`jaxpi.testing.scripted`), so greedy requests produce real tool calls through the
 real engine; other prompts get the random model's output.
 """
 
@@ -28,7 +28,7 @@ from jaxpi.serve import ServeConfig, start_server
 from jaxpi.serve.chat import ChatFormat
 from jaxpi.serve.loading import Loaded
 from jaxpi.serve.protocol import read_chat_request
-from jaxpi.serve.scripted import lookup_script, scripted_model
+from jaxpi.testing.scripted import lookup_script, scripted_model
 
 # hidden 128 >= the script's 67 supervised tokens: the head fit is exact
 CFG = TINY.replace(hidden_size=128, intermediate_size=256)

@@ -2,7 +2,7 @@
 
 Writes ASSETS_DIR/demo/ (Pi session files, an OpenAI-style file, manifest.json) and
 ASSETS_DIR/tiny_tokenizer/ (byte-level BPE, 512 ids, our Qwen3.5-style chat template).
-The logic lives in `jaxpi.data.demo` and `jaxpi.data.tiny_tokenizer`; the output is deterministic (seed 0).
+The logic lives in `jaxpi.testing.demo_data` and `jaxpi.data.tiny_tokenizer`; the output is deterministic (seed 0).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxpi.data.demo import ASSETS, write_demo
+from jaxpi.testing.demo_data import ASSETS, write_demo
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxpi.bench import serve as serve_bench
 from jaxpi.bench.config import DTYPES, PRESETS, BenchConfig, default_threads, make_config
 from jaxpi.config import GDN_IMPLS, REMAT_POLICIES
 
@@ -371,6 +372,10 @@ def add_subparser(sub: Any) -> None:
             p.add_argument("--steps", type=int, default=2, help="traced steps (after the warm-up)")
             p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temp dir)")
         p.set_defaults(fn=cmd_bench)
+    p = inner.add_parser("serve", help=serve_bench.HELP, description=serve_bench.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    serve_bench.add_arguments(p)
+    p.set_defaults(fn=serve_bench.cmd_serve)
 
 
 def _limit_threads(n: int) -> None:

@@ -1,2 +1,3 @@
-"""Helpers for tests and measurement tools (hypothesis strategies, checkpoint builders); never
-imported by the library itself."""
+"""Helpers for tests and measurement tools: hypothesis strategies, checkpoint builders, the scripted
+model (`scripted`), the demo-data generator (`demo_data`). Only the benchmarks (`jaxpi.bench`) and
+the tests import them; nothing below them in the library does."""

@@ -16,6 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxpi.convert.hf import load_hf
+from jaxpi.data.render import RenderConfig, load_tokenizer
+from jaxpi.serve.chat import ChatFormat
+from jaxpi.serve.protocol import read_chat_request
+
 
 @dataclasses.dataclass(frozen=True)
 class Script:
@@ -148,11 +153,6 @@ def scripted_model(
 ) -> tuple[Any, Script]:
     """Load a HF checkpoint (with its tokenizer) and solve its head to replay the conversation as
     `jaxpi serve` renders it at `effort`. Returns (model, script layout)."""
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.data.render import RenderConfig, load_tokenizer
-    from jaxpi.serve.chat import ChatFormat
-    from jaxpi.serve.protocol import read_chat_request
-
     tok = load_tokenizer(str(ckpt_dir))
     fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(ckpt_dir)))
     req = read_chat_request(

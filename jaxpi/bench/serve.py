@@ -1,6 +1,6 @@
 """Latency of `jaxpi serve` and of the gateway in front of it, on a tiny scripted checkpoint.
 
-    python -m jaxpi.serve.bench [--out DIR] [--requests N] [--json]
+    jaxpi bench serve [--out DIR] [--requests N] [--json]      (or python -m jaxpi.bench.serve)
 
 Builds the tiny checkpoint of the tests (random weights, head solved to replay the lookup
 script), serves it on a free port, puts a gateway in front, and times (after one warm-up request
@@ -34,12 +34,12 @@ def _timed(fn: Any, n: int) -> dict[str, float]:
 def run(out: Path, requests: int = 4, repeats: int = 5) -> dict[str, Any]:
     import httpx
 
-    from jaxpi import TINY
+    from jaxpi.config import TINY
+    from jaxpi.convert.tiny import make_checkpoint
     from jaxpi.gateway import start_gateway
-    from jaxpi.hf_fixtures import make_checkpoint
     from jaxpi.serve import ServeConfig, start_server
     from jaxpi.serve.loading import Loaded
-    from jaxpi.serve.scripted import lookup_script, scripted_model
+    from jaxpi.testing.scripted import lookup_script, scripted_model
 
     t0 = time.perf_counter()
     ckpt = out / "ckpt"
@@ -114,13 +114,24 @@ def run(out: Path, requests: int = 4, repeats: int = 5) -> dict[str, Any]:
         server.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxpi.serve.bench", description=__doc__.split("\n\n")[0])
+HELP = __doc__.split("\n\n")[0]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="where the checkpoint and records go (default: a temp dir)")
     p.add_argument("--requests", type=int, default=4, help="concurrent completions (and engine rows)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxpi.bench.serve", description=HELP)
+    add_arguments(p)
+    return cmd_serve(p.parse_args(argv))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`jaxpi bench serve` / `python -m jaxpi.bench.serve`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
