@@ -391,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpi.rl import trainer as grpo_cli
 
     grpo_cli.add_subparser(sub)
+    from jaxpi.rl import study as study_cli
+
+    study_cli.add_subparser(sub)
     from jaxpi.tasks import cli as tasks_cli
 
     tasks_cli.add_subparser(sub)

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - the test extra installs it
 # The other files keep their alphabetical order after these.
 HEAVY_FIRST = (
     "test_grpo_run.py",
+    "test_study.py",
     "test_sft.py",
     "test_pi_runner.py",
     "test_vllm.py",

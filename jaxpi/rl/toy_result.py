@@ -89,4 +89,47 @@ def run_comparison(
 
     report = build_report(runs, out=root / "report")
     say(report["table"])
+    say("")
+    say(what_it_shows(report, full=full))
     return {"sft": sft, "runs": [str(r) for r in runs], "report": report}
+
+
+def _interval(e: dict[str, float] | None) -> str:
+    return "undefined" if e is None else f"{e['value']:.2f} [{e['lo']:.2f}, {e['hi']:.2f}]"
+
+
+def what_it_shows(report: dict[str, Any], *, full: bool) -> str:
+    """What the comparison's table shows and what it does not, from its own numbers: one seed per
+    arm, and (short) two updates from a start that has not learned the task."""
+    ends = {r["reward_kind"]: r["last"]["ordering"].get("low/medium") for r in report["runs"]}
+    start = report["runs"][0]["first"]["ordering"].get("low/medium")
+    eo, binary = ends.get("effort_ordered"), ends.get("binary")
+    line = (
+        f"T_L/T_M [95% bootstrap over the held-out tasks]: start {_interval(start)}, "
+        f"effort-ordered {_interval(eo)}, binary {_interval(binary)}."
+    )
+    if eo is not None and binary is not None:
+        overlap = eo["lo"] <= binary["hi"] and binary["lo"] <= eo["hi"]
+        line += (
+            " The two intervals overlap: this evaluation cannot tell the arms apart."
+            if overlap
+            else " The two intervals do not overlap, but that is one seed of each arm."
+        )
+    if full:
+        what = (
+            "What this shows: effort-ordered and binary GRPO from one toy SFT start with one seed. "
+            "What it does not show: whether the difference holds across seeds; a single run of each arm "
+            "cannot tell a method from a seed."
+        )
+    else:
+        what = (
+            "What this shows: the machinery end to end (toy SFT, then effort-ordered and binary GRPO from "
+            "the same start and seeds: collection at every level, rewards, updates, held-out evaluation). "
+            "What it does not show: the effort-ordering result. The start is the toy-random base without "
+            "the copy pre-training (values 0-1, answers half guessed) and each arm makes two updates, so "
+            "the ratios above are sampling noise of a policy that has barely moved, not an effect."
+        )
+    return (
+        f"{what}\n{line}\nThe result across seeds: `jaxpi study --seeds 5 --jobs 2 --out DIR` "
+        '(README, "The seed\'s result at toy scale"; docs/grpo.md).'
+    )

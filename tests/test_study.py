@@ -1,0 +1,322 @@
+"""`jaxpi study` on a 2-seed, 2-update toy study (the short version on the toy-random base, at the
+size of test_grpo_run.py): the runs, the per-seed numbers against attempts.jsonl, the statistics
+across seeds, the picture, a rerun that skips everything, a rerun with other settings refused,
+and a study killed mid-run whose resumed run repeats the uninterrupted one exactly (same machine,
+config and seed: identical metrics). The statistics and the criteria also on fixed numbers."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpi.rl import study
+from jaxpi.rl.report import Estimate
+
+SFT = [
+    "data.toy_reasoning=[17,40,17,40,17,40]",
+    "data.toy_examples=48",
+    "data.seq_len=384",
+    "train.steps=20",
+    "train.eval_every=0",
+    "train.checkpoint_every=20",
+]
+GRPO = [
+    "collect.tasks=2",
+    "collect.group=2",
+    "collect.max_new_tokens=64",
+    "collect.max_context=384",
+    "collect.row_bucket=384",
+    "train.checkpoint_every=1",
+    "env.eval_tasks=2",
+    "train.eval_group=2",
+]
+TIMING = {"collect_s", "update_s", "tokens_per_s", "time"}
+
+
+def command(out: Path, *extra: str, sft: list[str] = SFT, grpo: list[str] = GRPO) -> list[str]:
+    args = [sys.executable, "-m", "jaxpi.cli", "study", "--short", "--out", str(out), *extra]
+    args += [f"--sft={o}" for o in sft] + [f"--grpo={o}" for o in grpo]
+    return [*args, "--json"]
+
+
+def environ() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """The study, SIGKILLed once seed 0's effort-ordered run has saved its first checkpoint (its
+    runs must die with it), then rerun to the end."""
+    out = tmp_path_factory.mktemp("study") / "s"
+    argv = command(out, "--seeds", "2", "--jobs", "2")
+    proc = subprocess.Popen(argv, env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = out / "seed-0" / "effort-ordered"
+    deadline, children = time.time() + 900, set()
+    while time.time() < deadline and proc.poll() is None and not (run / "checkpoints" / "1").is_dir():
+        children |= set(_children(proc.pid))
+        time.sleep(0.05)
+    assert proc.poll() is None, "the study ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = {
+        "children": children,
+        "alive": [c for c in children if _wait_gone(c)],
+        "done_before": not (run / "done.json").exists(),
+    }
+    resumed = subprocess.run(argv, env=environ(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    return out, json.loads(resumed.stdout), resumed.stderr, killed
+
+
+def _wait_gone(pid: int, timeout: float = 30) -> bool:
+    """True if the process is still there after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.1)
+    return Path(f"/proc/{pid}").exists()
+
+
+def ratio_by_hand(run_dir: Path, step: int, lo: str, hi: str) -> float:
+    recs = [r for r in lines(run_dir / "attempts.jsonl") if r["split"] == "eval" and r["step"] == step]
+    mean = lambda lv: np.mean([r["reasoning_tokens"] for r in recs if r["level"] == lv and r["admitted"]])  # noqa: E731
+    return float(mean(lo) / mean(hi))
+
+
+def test_study_runs_every_seed_and_arm_and_reports_them(done):
+    out, result, _, _ = done
+    assert sorted(result["state"]) == sorted(
+        f"seed-{k}/{r}" for k in (0, 1) for r in ("sft", "effort-ordered", "binary")
+    )
+    assert all((out / name / "done.json").exists() for name in result["state"])
+    seeds = result["seeds"]
+    assert [s["seed"] for s in seeds] == [0, 1]
+    for s in seeds:
+        k = s["seed"]
+        # Two processes evaluated the same policy with the same seed before their first update.
+        assert s["start_identical"]
+        for arm, name in study.ARMS.items():
+            run = out / f"seed-{k}" / name
+            cfg = json.loads((run / "config.json").read_text())
+            assert cfg["train"]["seed"] == k and cfg["reward"]["kind"] == arm
+            assert cfg["model"]["adapter"] == str(out / f"seed-{k}" / "sft")
+            assert cfg["train"]["collections"] == 2
+            end = s["arms"][arm]["end"]
+            assert end["step"] == 2
+            assert end["ordering"]["low/medium"]["value"] == pytest.approx(
+                ratio_by_hand(run, 2, "low", "medium")
+            )
+            assert [x for x, _ in s["arms"][arm]["series"]] == [0, 1]
+        assert s["start"]["ordering"]["medium/xhigh"]["value"] == pytest.approx(
+            ratio_by_hand(out / f"seed-{k}" / "binary", 0, "medium", "xhigh")
+        )
+    # Each seed is its own start: the two SFT runs differ.
+    a, b = (json.loads((out / f"seed-{k}" / "sft" / "config.json").read_text()) for k in (0, 1))
+    assert (a["train"]["seed"], b["train"]["seed"]) == (0, 1)
+
+    rows = result["summary"]["rows"]
+    eo = [s["arms"]["effort_ordered"]["end"]["ordering"]["low/medium"]["value"] for s in seeds]
+    bi = [s["arms"]["binary"]["end"]["ordering"]["low/medium"]["value"] for s in seeds]
+    want = study.t_interval(eo)
+    assert rows["effort_ordered low/medium"]["mean"] == pytest.approx(
+        {"value": want.value, "lo": want.lo, "hi": want.hi}
+    )
+    d = [x - y for x, y in zip(eo, bi, strict=True)]
+    got = rows["effort_ordered - binary low/medium"]["mean"]
+    assert got["value"] == pytest.approx(np.mean(d))
+    assert got["hi"] - got["value"] == pytest.approx(12.706205 * np.std(d, ddof=1) / math.sqrt(2))
+    assert [c["name"][:14] for c in result["summary"]["criteria"]] == [
+        "effort-ordered",
+        "upper 95% boun",
+        "binary's mean ",
+        "no effort-orde",
+    ]
+    png = out / "report" / "ordering.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["images"] == [str(png)]
+    table = (out / "report" / "table.md").read_text()
+    assert "| 0    |" in table and "| 1    |" in table and "effort-ordered − binary (paired)" in table
+    assert json.loads((out / "report" / "study.json").read_text())["machine"]["cores"] == os.cpu_count()
+
+
+def test_rerun_skips_finished_runs_and_refuses_other_settings(done):
+    out, result, _, _ = done
+    proc = subprocess.run(
+        command(out, "--seeds", "2"), env=environ(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(proc.stdout)
+    assert "start seed-" not in proc.stderr and set(again["state"].values()) == {"done"}
+    assert again["seeds"] == result["seeds"] and again["table"] == result["table"]
+
+    proc = subprocess.run(
+        command(out, "--seeds", "2", grpo=[*GRPO, "reward.phi_scale=0.5"]),
+        env=environ(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "different settings (grpo.reward.phi_scale)" in proc.stderr
+    proc = subprocess.run(
+        command(out, grpo=[*GRPO, "train.seed=3"]), env=environ(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2 and "train.seed is set by the study" in proc.stderr
+
+
+def test_killed_study_left_no_run_behind_and_resumed_it(done):
+    out, result, stderr, killed = done
+    assert len(killed["children"]) >= 2, "the study ran fewer than two runs at a time"
+    assert not killed["alive"], "a run outlived the killed study"
+    assert killed["done_before"], "seed 0's effort-ordered run finished before the kill"
+    # The rerun resumed that run from its checkpoint and ran everything left.
+    assert "start seed-0/effort-ordered (resuming)" in stderr
+    assert "resumed from" in (out / "logs" / "seed-0-effort-ordered.log").read_text()
+    assert "start seed-0/sft" not in stderr
+    assert set(result["state"].values()) <= {"done", "ran"} and "ran" in result["state"].values()
+
+
+def test_same_seed_same_metrics(done, tmp_path):
+    """Seed 0's effort-ordered run again, in another study on the same start: its metrics and
+    attempts are the first study's (killed and resumed there) bit for bit, timings aside."""
+    first = done[0]
+    out = tmp_path / "again"
+    argv = command(out, "--seeds", "1", "--arms", "effort_ordered", "--starts", str(first), sft=[])
+    proc = subprocess.run(argv, env=environ(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run, ref = out / "seed-0" / "effort-ordered", first / "seed-0" / "effort-ordered"
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in TIMING} for m in ms]  # noqa: E731
+    assert strip(lines(run / "metrics.jsonl")) == strip(lines(ref / "metrics.jsonl"))
+    assert lines(run / "attempts.jsonl") == lines(ref / "attempts.jsonl")
+    assert not (out / "seed-0" / "sft").exists()  # the starts study's SFT is read, never run again
+
+
+def test_t_quantile_and_interval():
+    scipy_t = pytest.importorskip("scipy.stats").t
+    for df in (1, 2, 4, 9, 30, 31, 60, 200):
+        assert study.t_quantile(df) == pytest.approx(scipy_t.ppf(0.975, df), abs=2e-4), df
+    e = study.t_interval([1.0, 2.0, 3.0, None, 6.0])
+    half = scipy_t.ppf(0.975, 3) * np.std([1, 2, 3, 6], ddof=1) / 2
+    assert (
+        e.value == 3.0
+        and e.lo == pytest.approx(3 - half, abs=1e-5)
+        and e.hi == pytest.approx(3 + half, abs=1e-5)
+    )
+    one = study.t_interval([0.8])
+    assert one.value == 0.8 and math.isnan(one.lo) and study.t_interval([None]) is None
+    with pytest.raises(ValueError, match="df"):
+        study.t_quantile(0)
+
+
+def _point(lm: float, passes: dict[str, tuple[float, float]]) -> dict:
+    est = lambda v, lo=None: {"value": v, "lo": v if lo is None else lo, "hi": v}  # noqa: E731
+    return {
+        "step": 0,
+        "ordering": {"low/medium": est(lm), "medium/xhigh": est(0.5)},
+        "pass": {lv: est(*p) for lv, p in passes.items()},
+        "sched": {lv: est(*p) for lv, p in passes.items()},
+        "T": {"low": 40 * lm, "medium": 40.0, "xhigh": 80.0},
+    }
+
+
+def _seeds(eo_ends: list[float], bin_ends: list[float], start: float = 1.2, xhigh_end: float = 0.95):
+    ok = {"low": (0.98, 0.9), "medium": (1.0, 0.92), "xhigh": (0.98, 0.9)}
+    out = []
+    for k, (e, b) in enumerate(zip(eo_ends, bin_ends, strict=True)):
+        end = {**ok, "xhigh": (xhigh_end if k == 0 else 0.97, None)}
+        out.append(
+            {
+                "seed": k,
+                "start": _point(start, ok),
+                "arms": {"effort_ordered": {"end": _point(e, end)}, "binary": {"end": _point(b, ok)}},
+            }
+        )
+    return out
+
+
+def test_criteria_met_and_each_one_failing():
+    levels = ("low", "medium", "xhigh")
+    arms = tuple(study.ARMS)
+    crit = lambda seeds: [c["met"] for c in study.aggregate(seeds, arms, levels)["criteria"]]  # noqa: E731
+    assert crit(_seeds([0.8, 0.82, 0.85, 0.8, 1.01], [1.3, 1.2, 1.25, 1.2, 1.3])) == [True] * 4
+    # Only 3 of 5 below 1.0 (and the mean's upper bound above it).
+    assert crit(_seeds([0.8, 0.85, 1.02, 0.9, 1.05], [1.3] * 5))[:2] == [False, False]
+    # 4 of 5 below, but one far above: the mean's upper bound is not below 1.0.
+    assert crit(_seeds([0.9, 0.95, 0.97, 0.96, 1.6], [1.3] * 5))[:2] == [True, False]
+    # Binary also fixed it: its mean is below the start's.
+    assert crit(_seeds([0.8] * 5, [1.1, 1.0, 1.2, 1.15, 1.1]))[2] is False
+    # Seed 0's xhigh pass rate fell below the start's interval (0.9).
+    seeds = _seeds([0.8] * 5, [1.3] * 5, xhigh_end=0.85)
+    c = study.aggregate(seeds, arms, levels)["criteria"][3]
+    assert c["met"] is False and c["value"] == "seed 0: pass xhigh, sched xhigh"
+    rows = study.aggregate(seeds, arms, levels)["rows"]
+    assert rows["effort_ordered - binary low/medium"]["mean"]["value"] == pytest.approx(-0.5)
+    assert rows["effort_ordered - start low/medium"]["mean"]["value"] == pytest.approx(-0.4)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="distinct"):
+        study.StudySpec(seeds=(0, 0))
+    with pytest.raises(ValueError, match="arms"):
+        study.StudySpec(seeds=(0,), arms=("ppo",))
+    with pytest.raises(ValueError, match=r"output\.dir is set by the study"):
+        study.StudySpec(seeds=(0,), grpo=("output.dir=x",))
+    with pytest.raises(ValueError, match="no SFT overrides"):
+        study.StudySpec(seeds=(0,), sft=("train.steps=3",), starts="/x")
+    assert study.Estimate is Estimate
+
+
+def _report(start: float, eo: tuple[float, float, float], binary: tuple[float, float, float]) -> dict:
+    ratio = lambda v, lo, hi: {"ordering": {"low/medium": {"value": v, "lo": lo, "hi": hi}}}  # noqa: E731
+    return {
+        "runs": [
+            {
+                "reward_kind": "effort_ordered",
+                "first": ratio(start, start - 0.1, start + 0.1),
+                "last": ratio(*eo),
+            },
+            {
+                "reward_kind": "binary",
+                "first": ratio(start, start - 0.1, start + 0.1),
+                "last": ratio(*binary),
+            },
+        ]
+    }
+
+
+def test_demo_says_what_its_table_shows_and_what_not():
+    from jaxpi.rl.toy_result import what_it_shows
+
+    # Today's `make demo`: effort-ordered at a violation next to binary's larger one, overlapping.
+    short = what_it_shows(_report(1.2, (1.13, 0.85, 1.45), (1.47, 1.1, 1.9)), full=False)
+    assert "What it does not show: the effort-ordering result" in short
+    assert "effort-ordered 1.13 [0.85, 1.45], binary 1.47 [1.10, 1.90]" in short
+    assert "overlap: this evaluation cannot tell the arms apart" in short and "jaxpi study --seeds 5" in short
+    full = what_it_shows(_report(1.2, (0.76, 0.64, 0.89), (1.31, 1.12, 1.49)), full=True)
+    assert (
+        "do not overlap, but that is one seed of each arm" in full
+        and "cannot tell a method from a seed" in full
+    )
