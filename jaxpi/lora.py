@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpi.config import FULL, QwenConfig
+from jaxpi.convert.table import LINEAR_MODULES, LINEAR_NAMES
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_location, layer_plan
 
 
@@ -47,26 +48,14 @@ class LoRAMask(nnx.Variable):
     """Per-group 1.0 / 0.0 of a stacked adapter whose layers are only partly selected (not trained)."""
 
 
+# Views of the HF table's linear modules (`jaxpi.convert.table.LINEAR_MODULES`).
 # HF module name -> (owning block, our projection attributes). One A per HF module, one B per part.
-TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "q_proj": ("attn", ("q_proj",)),
-    "k_proj": ("attn", ("k_proj",)),
-    "v_proj": ("attn", ("v_proj",)),
-    "o_proj": ("attn", ("o_proj",)),
-    "in_proj_qkv": ("gdn", ("q_proj", "k_proj", "v_proj")),
-    "in_proj_z": ("gdn", ("z_proj",)),
-    "in_proj_b": ("gdn", ("b_proj",)),
-    "in_proj_a": ("gdn", ("a_proj",)),
-    "out_proj": ("gdn", ("out_proj",)),
-    "gate_proj": ("mlp", ("gate_proj",)),
-    "up_proj": ("mlp", ("up_proj",)),
-    "down_proj": ("mlp", ("down_proj",)),
-}
-ALL_LINEAR = tuple(TARGETS)
+TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {m.hf: (m.block, m.parts) for m in LINEAR_MODULES}
+ALL_LINEAR = LINEAR_NAMES
 # Our block -> the HF submodule that holds it inside `layers.N`.
-HF_BLOCK = {"attn": "self_attn", "gdn": "linear_attn", "mlp": "mlp"}
-# Number of leading (input) dims of each stored projection; the rest are output dims.
-_IN_DIMS = {"o_proj": 2, "out_proj": 2}
+HF_BLOCK = {m.block: m.hf_block for m in LINEAR_MODULES}
+# Number of leading (input) dims of each stored projection (when not 1); the rest are output dims.
+_IN_DIMS = {p: m.n_in for m in LINEAR_MODULES for p in m.parts if m.n_in != 1}
 
 
 def _layers(value: object) -> tuple[int, ...] | None:

@@ -30,37 +30,24 @@ cost analysis (tests/test_bench.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from jaxpi.config import FULL, LINEAR, QwenConfig
-from jaxpi.lora import ALL_LINEAR
+from jaxpi.convert.table import LINEAR_NAMES as ALL_LINEAR
+from jaxpi.convert.table import linear_modules, linear_part_shapes
 
 
 def projection_shapes(cfg: QwenConfig, layer_type: str) -> dict[str, tuple[int, int]]:
-    """(n_in, n_out) of each HF-named linear module of one layer (mixer and MLP)."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    mlp = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-    if layer_type == FULL:
-        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        mixer = {
-            "q_proj": (d, hq * 2 * dh),  # query and its output gate
-            "k_proj": (d, hkv * dh),
-            "v_proj": (d, hkv * dh),
-            "o_proj": (hq * dh, d),
-        }
-    elif layer_type == LINEAR:
-        kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
-        mixer = {
-            "in_proj_qkv": (d, 2 * kd + vd),
-            "in_proj_z": (d, vd),
-            "in_proj_b": (d, hv),
-            "in_proj_a": (d, hv),
-            "out_proj": (vd, d),
-        }
-    else:
-        raise ValueError(f"unknown layer type {layer_type!r}")
-    return {**mixer, **mlp}
+    """(n_in, n_out) of each HF-named linear module of one layer (mixer and MLP), from the HF
+    table's stored parts (a fused module's parts add up their outputs; q_proj's include the gate)."""
+    shapes = linear_part_shapes(cfg, layer_type)
+    out = {}
+    for m in linear_modules(layer_type):
+        parts = shapes[m.hf]
+        out[m.hf] = (math.prod(parts[0][: m.n_in]), sum(math.prod(s[m.n_in :]) for s in parts))
+    return out
 
 
 def matmul_params(cfg: QwenConfig) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from jaxpi.bench.config import BenchConfig
 from jaxpi.bench.timing import figure, rate, timed
 from jaxpi.bench.train_step import LR
-from jaxpi.lora import ALL_LINEAR
+from jaxpi.convert.table import LINEAR_NAMES as ALL_LINEAR
 
 
 def torch_versions() -> dict[str, str]:

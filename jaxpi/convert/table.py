@@ -9,6 +9,9 @@ Each `Rule` maps one HF tensor to one or more of our parameters with a transform
 - `conv`     HF's depthwise conv `[C, 1, K]` → per-part `[K, heads, head_dim]`.
 
 Every transform has an exact inverse (used by `save_hf`), so HF → jaxpi → HF is byte-exact.
+
+The linear modules (`LINEAR_MODULES`) are the one place their HF names are spelled: LoRA's targets,
+peft's `target_modules`, and the FLOP count's projection shapes are read from it.
 `to_ours` / `to_hf` return new arrays; the converter uses their streaming forms `part_into` /
 `hf_into`, which write into a preallocated buffer without tensor-sized temporaries.
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpi.config import FULL, QwenConfig
+from jaxpi.config import FULL, LINEAR, QwenConfig
 from jaxpi.models.qwen3_5 import layer_location
 
 Path_ = tuple[str | int, ...]
@@ -120,6 +123,86 @@ class Rule:
         return rows if self.kind == "split" else rows[:, None, :]
 
 
+@dataclass(frozen=True)
+class LinearModule:
+    """One HF linear module of a layer (`layers.N.<hf_block>.<hf>`) and the projections it is
+    stored as in jaxpi (`<block>.<part>` of the layer's mixer or MLP)."""
+
+    hf: str  # HF (and peft) module name: "in_proj_qkv"
+    hf_block: str  # HF submodule of the layer: "self_attn" | "linear_attn" | "mlp"
+    block: str  # our block: "attn" | "gdn" (both the layer's mixer) | "mlp"
+    parts: tuple[str, ...]  # our projections, one per stored part: ("q_proj", "k_proj", "v_proj")
+    kind: str  # table rule: "linear" ([in, *out]) | "linear_t" ([*in, out]) | "split" (fused rows)
+
+    @property
+    def layer_type(self) -> str | None:
+        """The layer type that has this module (None: every layer)."""
+        return {"attn": FULL, "gdn": LINEAR}.get(self.block)
+
+    @property
+    def n_in(self) -> int:
+        """Leading input dims of each stored part (`linear_t` keeps the heads: `[heads, dim, out]`)."""
+        return 2 if self.kind == "linear_t" else 1
+
+    @property
+    def attr(self) -> str:
+        """The layer's attribute holding the parts: "mixer" or "mlp"."""
+        return "mlp" if self.block == "mlp" else "mixer"
+
+
+# In LoRA's (and peft's `target_modules`) order.
+LINEAR_MODULES: tuple[LinearModule, ...] = (
+    LinearModule("q_proj", "self_attn", "attn", ("q_proj",), "linear"),
+    LinearModule("k_proj", "self_attn", "attn", ("k_proj",), "linear"),
+    LinearModule("v_proj", "self_attn", "attn", ("v_proj",), "linear"),
+    LinearModule("o_proj", "self_attn", "attn", ("o_proj",), "linear_t"),
+    LinearModule("in_proj_qkv", "linear_attn", "gdn", ("q_proj", "k_proj", "v_proj"), "split"),
+    LinearModule("in_proj_z", "linear_attn", "gdn", ("z_proj",), "linear"),
+    LinearModule("in_proj_b", "linear_attn", "gdn", ("b_proj",), "linear"),
+    LinearModule("in_proj_a", "linear_attn", "gdn", ("a_proj",), "linear"),
+    LinearModule("out_proj", "linear_attn", "gdn", ("out_proj",), "linear_t"),
+    LinearModule("gate_proj", "mlp", "mlp", ("gate_proj",), "linear"),
+    LinearModule("up_proj", "mlp", "mlp", ("up_proj",), "linear"),
+    LinearModule("down_proj", "mlp", "mlp", ("down_proj",), "linear"),
+)
+LINEAR_BY_NAME = {m.hf: m for m in LINEAR_MODULES}
+LINEAR_NAMES = tuple(LINEAR_BY_NAME)  # every adaptable module: peft's "all-linear"
+
+
+def linear_modules(layer_type: str) -> list[LinearModule]:
+    """The linear modules of a layer of `layer_type` (its mixer's, then the MLP's)."""
+    if layer_type not in (FULL, LINEAR):
+        raise ValueError(f"unknown layer type {layer_type!r}")
+    return [m for m in LINEAR_MODULES if m.layer_type in (None, layer_type)]
+
+
+def linear_part_shapes(cfg: QwenConfig, layer_type: str) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Our per-layer shape of each stored part of every linear module of a `layer_type` layer."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    if layer_type == FULL:
+        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        mixer = {
+            "q_proj": ((d, hq, 2 * hd),),  # the query and its output gate
+            "k_proj": ((d, hkv, hd),),
+            "v_proj": ((d, hkv, hd),),
+            "o_proj": ((hq, hd, d),),
+        }
+    elif layer_type == LINEAR:
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixer = {
+            "in_proj_qkv": ((d, nk, dk), (d, nk, dk), (d, nv, dv)),
+            "in_proj_z": ((d, nv, dv),),
+            "in_proj_b": ((d, nv),),
+            "in_proj_a": ((d, nv),),
+            "out_proj": ((nv, dv, d),),
+        }
+    else:
+        raise ValueError(f"unknown layer type {layer_type!r}")
+    mlp = {"gate_proj": ((d, f),), "up_proj": ((d, f),), "down_proj": ((f, d),)}
+    return {**mixer, **mlp}
+
+
 def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """`a` reshaped without copying (raises rather than silently writing into a copy)."""
     return np.reshape(a, shape, copy=False)
@@ -142,27 +225,34 @@ def text_rules(cfg: QwenConfig, prefix: str) -> list[Rule]:
 def _layer_rules(cfg: QwenConfig, i: int, layer_type: str, hf: str) -> list[Rule]:
     where, pos, _ = layer_location(cfg, i)
     base: Path_ = ("groups", "blocks", pos) if where == "groups" else ("tail", pos)
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d = cfg.hidden_size
+    shapes = linear_part_shapes(cfg, layer_type)
 
     def r(name: str, kind: str, ours: list[str], shapes: list[tuple[int, ...]]) -> Rule:
         paths = tuple((*base, *o.split(".")) for o in ours)
         return Rule(hf + name, kind, paths, tuple(shapes), layer=i)
 
+    def lin(name: str) -> Rule:  # a linear module, from LINEAR_MODULES
+        m = LINEAR_BY_NAME[name]
+        return r(
+            f"{m.hf_block}.{m.hf}.weight", m.kind, [f"{m.attr}.{p}" for p in m.parts], list(shapes[name])
+        )
+
     rules = [
         r("input_layernorm.weight", "copy", ["input_norm"], [(d,)]),
         r("post_attention_layernorm.weight", "copy", ["post_norm"], [(d,)]),
-        r("mlp.gate_proj.weight", "linear", ["mlp.gate_proj"], [(d, f)]),
-        r("mlp.up_proj.weight", "linear", ["mlp.up_proj"], [(d, f)]),
-        r("mlp.down_proj.weight", "linear", ["mlp.down_proj"], [(f, d)]),
+        lin("gate_proj"),
+        lin("up_proj"),
+        lin("down_proj"),
     ]
     if layer_type == FULL:
-        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hd = cfg.head_dim
         a = "self_attn."
         return rules + [
-            r(a + "q_proj.weight", "linear", ["mixer.q_proj"], [(d, hq, 2 * hd)]),
-            r(a + "k_proj.weight", "linear", ["mixer.k_proj"], [(d, hkv, hd)]),
-            r(a + "v_proj.weight", "linear", ["mixer.v_proj"], [(d, hkv, hd)]),
-            r(a + "o_proj.weight", "linear_t", ["mixer.o_proj"], [(hq, hd, d)]),
+            lin("q_proj"),
+            lin("k_proj"),
+            lin("v_proj"),
+            lin("o_proj"),
             r(a + "q_norm.weight", "copy", ["mixer.q_norm"], [(hd,)]),
             r(a + "k_norm.weight", "copy", ["mixer.k_norm"], [(hd,)]),
         ]
@@ -170,15 +260,10 @@ def _layer_rules(cfg: QwenConfig, i: int, layer_type: str, hf: str) -> list[Rule
     dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     a = "linear_attn."
     return rules + [
-        r(
-            a + "in_proj_qkv.weight",
-            "split",
-            ["mixer.q_proj", "mixer.k_proj", "mixer.v_proj"],
-            [(d, nk, dk), (d, nk, dk), (d, nv, dv)],
-        ),
-        r(a + "in_proj_z.weight", "linear", ["mixer.z_proj"], [(d, nv, dv)]),
-        r(a + "in_proj_b.weight", "linear", ["mixer.b_proj"], [(d, nv)]),
-        r(a + "in_proj_a.weight", "linear", ["mixer.a_proj"], [(d, nv)]),
+        lin("in_proj_qkv"),
+        lin("in_proj_z"),
+        lin("in_proj_b"),
+        lin("in_proj_a"),
         r(
             a + "conv1d.weight",
             "conv",
@@ -188,7 +273,7 @@ def _layer_rules(cfg: QwenConfig, i: int, layer_type: str, hf: str) -> list[Rule
         r(a + "dt_bias", "copy", ["mixer.dt_bias"], [(nv,)]),
         r(a + "A_log", "copy", ["mixer.A_log"], [(nv,)]),
         r(a + "norm.weight", "copy", ["mixer.norm"], [(dv,)]),
-        r(a + "out_proj.weight", "linear_t", ["mixer.out_proj"], [(nv, dv, d)]),
+        lin("out_proj"),
     ]
 
 
