@@ -48,7 +48,7 @@ _UPCASTING = (
     "jaxpi.kernels.conv",
     "jaxpi.kernels.gated_delta",
     "jaxpi.kernels.norms",
-    "jaxpi.lora",
+    "jaxpi.lora.adapters",
     "jaxpi.models.layers",
     "jaxpi.models.params",
     "jaxpi.models.qwen3_5",

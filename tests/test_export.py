@@ -33,10 +33,10 @@ from transformers import Qwen3_5ForConditionalGeneration as HFConditional
 
 from jaxpi import TINY, load_hf
 from jaxpi.cli import main as cli_main
-from jaxpi.convert.peft import load_peft, save_merged, save_peft, target_modules
 from jaxpi.convert.safetensors_io import CheckpointError
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.lora import TARGETS, LoraConfig, LoRAMask, LoRAParam, add_lora, module_paths, select_modules
+from jaxpi.lora.peft import load_peft, save_merged, save_peft, target_modules
 
 CFG9 = TINY.replace(num_hidden_layers=9)  # two scanned groups of 4 + one unrolled tail layer
 IDS = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 11)).astype(np.int32)

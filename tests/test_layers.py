@@ -62,7 +62,10 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
     {
         ("jaxpi.convert.export_cli", "jaxpi.lora"),
         ("jaxpi.convert.export_cli", "jaxpi.train.checkpoint"),  # export() moves up to train/export.py
-        ("jaxpi.convert.peft", "jaxpi.lora"),  # PEFT I/O moves into jaxpi/lora/
+        (
+            "jaxpi.convert.peft",
+            "jaxpi.lora.peft",
+        ),  # a re-export of the moved module, until its callers switch
         ("jaxpi.envs.agent_loop", "jaxpi.rl.reward"),  # Attempt moves down to envs/base.py
         ("jaxpi.envs.toy_sft", "jaxpi.hf_fixtures"),
         ("jaxpi.envs.toy_sft", "jaxpi.lora"),

@@ -169,7 +169,7 @@ def test_adapter_gradients_match_peft(base, ids):
     from peft.utils import set_peft_model_state_dict
     from transformers import Qwen3_5ForCausalLM as HFModel
 
-    from jaxpi.convert.peft import adapter_tensors
+    from jaxpi.lora.peft import adapter_tensors
     from jaxpi.train.step import next_token_loss
 
     lcfg = LoraConfig(rank=4, alpha=8.0)

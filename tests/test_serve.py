@@ -390,9 +390,9 @@ def test_peft_and_orbax_adapters_are_loaded_onto_the_base(served, tmp_path):
     from flax import nnx
 
     from jaxpi import load_hf
-    from jaxpi.convert.peft import save_peft
     from jaxpi.hf_fixtures import seeded_noise
     from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+    from jaxpi.lora.peft import save_peft
     from jaxpi.serve.loading import load_served_model
 
     ckpt = served["ckpt"]

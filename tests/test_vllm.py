@@ -328,7 +328,7 @@ def lines(path):
 def adapter_arrays(path_or_run, model_dir):
     """The adapter of a jaxpi checkpoint or a peft export, as sorted float32 arrays."""
     from jaxpi.config import QwenConfig
-    from jaxpi.convert.peft import load_peft
+    from jaxpi.lora.peft import load_peft
     from jaxpi.train.checkpoint import load_adapter
 
     p = Path(path_or_run)
@@ -343,7 +343,7 @@ def adapter_arrays(path_or_run, model_dir):
 def start_adapter(policy, model_dir, tmp_path_factory):
     """The `policy` fixture's adapter as a peft directory: GRPO starts from it (model.adapter), so
     the very first push already has something for the probe to verify."""
-    from jaxpi.convert.peft import save_peft
+    from jaxpi.lora.peft import save_peft
 
     return save_peft(
         policy["model"], policy["lora"], tmp_path_factory.mktemp("peft") / "start", base_dir=model_dir

@@ -86,7 +86,7 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
         nnx.update(model, state)
     for kind, p in adapters:
         if kind == "peft":
-            from jaxpi.convert.peft import load_peft
+            from jaxpi.lora.peft import load_peft
 
             if state is not None:
                 raise ValueError("a PEFT --adapter goes on a HF base, not on a jaxpi checkpoint")

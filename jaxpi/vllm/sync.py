@@ -1,7 +1,7 @@
 """Adapter sync: after each policy update, the trainer's adapter reaches vLLM and is verified.
 
     push(model, version)
-        export    jaxpi.convert.peft.save_peft → <adapters_dir>/policy-v{N} (temp dir + rename)
+        export    jaxpi.lora.peft.save_peft → <adapters_dir>/policy-v{N} (temp dir + rename)
         load      POST /v1/unload_lora_adapter {policy-v{N}} (a resumed run may reuse the name),
                   POST /v1/load_lora_adapter   {"lora_name": "policy-v{N}", "lora_path": dir}
         probe     vLLM's prompt log-probabilities of a fixed token sequence under policy-v{N}
@@ -187,7 +187,7 @@ class AdapterSync:
 
     # ---- one version -----------------------------------------------------------------------------
     def export(self, model: Any, version: int) -> Path:
-        from jaxpi.convert.peft import save_peft
+        from jaxpi.lora.peft import save_peft
 
         out = self.dir / adapter_name(version)
         return save_peft(model, self.lora_cfg, out, base_dir=self.base_dir, overwrite=True)

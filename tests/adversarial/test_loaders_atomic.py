@@ -171,8 +171,8 @@ def test_export_output_has_the_umask_permissions_and_cleans_leftovers(model, tmp
 
     from jaxpi import atomic
     from jaxpi.convert.hf import save_hf
-    from jaxpi.convert.peft import save_peft
     from jaxpi.lora import LoraConfig, add_lora
+    from jaxpi.lora.peft import save_peft
 
     umask(0o022)
     base = save_hf(model, tmp_path / "base")

@@ -1,42 +1,19 @@
-"""LoRA adapters on the linear layers of the Qwen3.5 text model.
-
-For a frozen projection W (stored input-major, `[*in, *out]`) the adapted layer computes
-
-    y = x·W + s · (drop(x)·A)·B          A: [*in, r]   B: [r, *out]   s = alpha / r
-
-with B initialised to zero, so an adapter starts as the identity (as `peft` does), and `drop` the
-inverted dropout `peft` applies to the adapter's input (only when the forward pass is given a
-`dropout_key`). Targets are named as `peft`/HF name the modules: attention
-`q_proj k_proj v_proj o_proj`, DeltaNet `in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj`, MLP
-`gate_proj up_proj down_proj`. HF's fused `in_proj_qkv` is stored by jaxpi as three projections, so
-its adapter has one shared A and one B per part (`b_q`, `b_k`, `b_v`), which concatenate to `peft`'s
-`lora_B`.
-
-Which modules get an adapter: every module named in `targets`, optionally narrowed to some layers
-(`layers`) and/or to the HF module paths a regex fullmatches (`pattern`, over paths relative to the
-text model such as `layers.3.self_attn.q_proj`). In a scanned layer group the adapters of one
-position are stacked over the groups; when only some of those layers are selected, a `LoRAMask`
-(1.0 / 0.0 per group) zeroes the others' update, and so their gradients.
-
-Adapter weights are `LoRAParam` variables (float32, with logical axes like every parameter), kept
-apart from the frozen `nnx.Param` base weights: `nnx.state(model, LoRAParam)` is the trainable state.
-"""
+"""Adapter weights on a model: `add_lora` attaches them (A random, B zero), `merge_lora` /
+`unmerge_lora` fold them into the base weights and back (the equations are in `jaxpi.lora`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import re
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpi.config import FULL, QwenConfig
-from jaxpi.convert.table import LINEAR_MODULES, LINEAR_NAMES
+from jaxpi.config import FULL
+from jaxpi.lora.config import IN_DIMS, TARGETS, LoraConfig, select_modules
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_location, layer_plan
 
 
@@ -46,122 +23,6 @@ class LoRAParam(nnx.Variable):
 
 class LoRAMask(nnx.Variable):
     """Per-group 1.0 / 0.0 of a stacked adapter whose layers are only partly selected (not trained)."""
-
-
-# Views of the HF table's linear modules (`jaxpi.convert.table.LINEAR_MODULES`).
-# HF module name -> (owning block, our projection attributes). One A per HF module, one B per part.
-TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {m.hf: (m.block, m.parts) for m in LINEAR_MODULES}
-ALL_LINEAR = LINEAR_NAMES
-# Our block -> the HF submodule that holds it inside `layers.N`.
-HF_BLOCK = {m.block: m.hf_block for m in LINEAR_MODULES}
-# Number of leading (input) dims of each stored projection (when not 1); the rest are output dims.
-_IN_DIMS = {p: m.n_in for m in LINEAR_MODULES for p in m.parts if m.n_in != 1}
-
-
-def _layers(value: object) -> tuple[int, ...] | None:
-    """`layers` as a sorted tuple: from ints, a range, or text like "0,3,8-11" (YAML / CLI)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        out: list[int] = []
-        for part in value.replace(" ", "").split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise ValueError(f"LoRA layers {value!r}: expected indices like '0,3,8-11'")
-            out += range(int(lo), int(hi or lo) + 1)
-        value = out
-    if not isinstance(value, Iterable):
-        raise ValueError(f"LoRA layers must be layer indices, got {value!r}")
-    items = list(value)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-        raise ValueError(f"LoRA layers must be non-negative integers, got {items}")
-    if not items:
-        raise ValueError("LoRA layers is empty: give at least one layer index (or None for all)")
-    return tuple(sorted(set(items)))
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Adapter shape and placement.
-
-    `targets`: HF module names. `layers`: layer indices (a list, a range or "0,3,8-11"; None = all).
-    `pattern`: a regex that must fullmatch a module's path relative to the text model, e.g.
-    `layers\\.(1|3)\\..*\\.q_proj` (paths look like `layers.0.linear_attn.in_proj_qkv`,
-    `layers.3.self_attn.o_proj`, `layers.5.mlp.up_proj`). A module is adapted when all given
-    criteria select it; `select_modules` resolves them against a model and rejects an empty match.
-    """
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ALL_LINEAR
-    layers: tuple[int, ...] | None = None
-    pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        object.__setattr__(self, "targets", targets)
-        object.__setattr__(self, "layers", _layers(self.layers))
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        unknown = sorted(set(self.targets) - set(TARGETS))
-        if unknown:
-            raise ValueError(f"unknown LoRA targets {unknown}; known: {list(TARGETS)}")
-        if not self.targets:
-            raise ValueError("LoRA needs at least one target module")
-        if self.pattern is not None:
-            try:
-                re.compile(self.pattern)
-            except re.error as e:
-                raise ValueError(f"LoRA pattern {self.pattern!r} is not a valid regex: {e}") from None
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def module_paths(cfg: QwenConfig) -> list[tuple[int, str, str]]:
-    """(layer, HF module name, path relative to the text model) of every adaptable linear layer."""
-    out = []
-    for i, layer_type in enumerate(cfg.layer_types):
-        owners = ("attn" if layer_type == FULL else "gdn", "mlp")
-        out += [
-            (i, hf, f"layers.{i}.{HF_BLOCK[kind]}.{hf}")
-            for hf, (kind, _) in TARGETS.items()
-            if kind in owners
-        ]
-    return out
-
-
-def select_modules(cfg: QwenConfig, lcfg: LoraConfig) -> list[tuple[int, str]]:
-    """The (layer, HF module name) pairs `lcfg` adapts in a model of config `cfg`, in layer order."""
-    n = cfg.num_hidden_layers
-    if lcfg.layers is not None and lcfg.layers[-1] >= n:
-        bad = [i for i in lcfg.layers if i >= n]
-        raise ValueError(f"LoRA layers {bad} out of range: the model has {n} layers (0..{n - 1})")
-    paths = module_paths(cfg)
-    rx = re.compile(lcfg.pattern) if lcfg.pattern is not None else None
-    if rx is not None and not any(rx.fullmatch(p) for _, _, p in paths):
-        raise ValueError(
-            f"LoRA pattern {lcfg.pattern!r} matches no module of this model; it must fullmatch paths "
-            f"like {paths[0][2]!r} or 'layers.{n - 1}.mlp.down_proj'"
-        )
-    chosen = [
-        (i, hf)
-        for i, hf, p in paths
-        if hf in lcfg.targets
-        and (lcfg.layers is None or i in lcfg.layers)
-        and (rx is None or rx.fullmatch(p))
-    ]
-    if not chosen:
-        raise ValueError(
-            f"LoRA selection matches no module: targets={list(lcfg.targets)}, layers={lcfg.layers}, "
-            f"pattern={lcfg.pattern!r} (attention modules live in {cfg.layer_types.count(FULL)} of "
-            f"{n} layers, DeltaNet modules in the rest)"
-        )
-    return chosen
 
 
 def a_name(hf: str) -> str:
@@ -229,7 +90,7 @@ def _plan_module(
         if not any(rows):
             continue
         shape = getattr(module, projs[0]).get_value().shape[len(lead) :]
-        n_in = _IN_DIMS.get(projs[0], 1)
+        n_in = IN_DIMS.get(projs[0], 1)
         a_shape = (*lead, *shape[:n_in], lcfg.rank)
         b_shapes = tuple(
             (*lead, lcfg.rank, *getattr(module, proj).get_value().shape[len(lead) + n_in :]) for proj in projs
@@ -243,7 +104,7 @@ def _attach(
 ) -> None:
     lead = 1 if stacked else 0
     projs = TARGETS[plan.hf][1]
-    n_in = _IN_DIMS.get(projs[0], 1)
+    n_in = IN_DIMS.get(projs[0], 1)
     axes = getattr(module, projs[0]).get_metadata()["out_sharding"][lead:]
     if plan.rows is not None:
         mask = jnp.asarray(np.asarray(plan.rows, np.float32))  # [G]
