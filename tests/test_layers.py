@@ -60,8 +60,7 @@ FORBIDDEN = frozenset(
 # on an entry here that no longer exists (so the list only shrinks).
 KNOWN: frozenset[tuple[str, str]] = frozenset(
     {
-        ("jaxpi.convert.export_cli", "jaxpi.lora"),
-        ("jaxpi.convert.export_cli", "jaxpi.train.checkpoint"),  # export() moves up to train/export.py
+        ("jaxpi.convert.export_cli", "jaxpi.train.export"),  # the command moves up to jaxpi/cli/
         (
             "jaxpi.convert.peft",
             "jaxpi.lora.peft",
@@ -94,7 +93,7 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
 LAZY_OK = ("jaxpi.cli", "jaxpi.kernels")
 # Measured on the tree of 2026-12-01 (the multi-seed study's rl/study.py included); lower it as
 # imports move up to module level.
-LAZY_BUDGET = 166
+LAZY_BUDGET = 163
 
 # Entry points run as processes (`python -m jaxpi.cli ...`), not imported: not edges.
 PROCESS_ENTRY_POINTS = frozenset({"jaxpi.cli"})

@@ -6,21 +6,19 @@ CKPT is a peft adapter directory (it has `adapter_config.json`) or a jaxpi train
 (a run directory, its `checkpoints/` directory or one step), read by
 `jaxpi.train.checkpoint.load_adapter`; for those, `--base` defaults to the base recorded in the
 checkpoint. The peft export needs only the base's `config.json` (no weights are loaded); the
-merged export loads the base, folds the adapter in and writes it with `save_hf`.
+merged export loads the base, folds the adapter in and writes it with `save_hf` (`export()`, in
+`jaxpi.train.export`, re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from flax import nnx
+from jaxpi.train.export import DTYPES, export
 
-from jaxpi.config import QwenConfig
-
-DTYPES = ["float32", "bfloat16", "float16"]
+__all__ = ["add_subparser", "cmd_export", "export"]
 
 
 def add_subparser(sub: Any) -> None:
@@ -68,95 +66,3 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"from {summary['source']} {summary['adapter']})"
         )
     return 0
-
-
-def export(
-    adapter: str | Path,
-    out: str | Path,
-    *,
-    base: str | Path | None = None,
-    merged: bool = False,
-    dtype: str | None = None,
-    base_name: str | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Read the adapter, write the export, return a summary (what the CLI prints)."""
-    from jaxpi.convert.peft import CONFIG_NAME, abstract_lora_model, load_peft, save_merged, save_peft
-    from jaxpi.lora import select_modules
-
-    adapter = Path(adapter)
-    if not adapter.exists():
-        raise FileNotFoundError(f"{adapter}: no such adapter directory or checkpoint")
-    if (adapter / CONFIG_NAME).exists():
-        if base is None:
-            raise ValueError("--base is required for a peft adapter (the HF checkpoint it was trained on)")
-        source = "peft"
-        cfg = QwenConfig.from_hf(Path(base))
-        lcfg, state = load_peft(cfg, adapter)
-    else:
-        source = "jaxpi checkpoint"
-        state, lcfg, meta = _load_trainer_checkpoint(adapter)
-        cfg = QwenConfig.from_hf(meta["model_config"])
-        base = base if base is not None else meta.get("base")
-        if base is None:
-            raise ValueError(f"{adapter}: the checkpoint records no base; pass --base")
-    base = Path(base)
-
-    if merged:
-        from jaxpi.convert.hf import load_hf
-        from jaxpi.lora import add_lora
-
-        _, model = load_hf(base, dtype=_load_dtype(base, dtype), progress=progress)
-        add_lora(model, lcfg)
-        nnx.update(model, state)
-        path = save_merged(
-            model, out, base_dir=base, dtype=dtype, overwrite=overwrite, progress=progress, inplace=True
-        )
-    else:
-        model = abstract_lora_model(cfg, lcfg)
-        nnx.update(model, state)
-        path = save_peft(
-            model,
-            lcfg,
-            out,
-            base_dir=base,
-            dtype=dtype or "float32",
-            base_model_name_or_path=base_name,
-            overwrite=overwrite,
-        )
-    return {
-        "source": source,
-        "adapter": str(adapter),
-        "base": str(base),
-        "format": "merged" if merged else "peft",
-        "output": str(path),
-        "files": sorted(p.name for p in path.iterdir()),
-        "rank": lcfg.rank,
-        "alpha": lcfg.alpha,
-        "modules": len(select_modules(cfg, lcfg)),
-    }
-
-
-def _load_trainer_checkpoint(path: Path) -> tuple[nnx.State, Any, dict[str, Any]]:
-    try:
-        from jaxpi.train.checkpoint import load_adapter
-    except ImportError as e:
-        raise ValueError(
-            f"{path}: not a peft adapter directory (no adapter_config.json), and jaxpi trainer checkpoints "
-            f"cannot be read here ({e})"
-        ) from None
-    return load_adapter(path)
-
-
-def _load_dtype(base: Path, dtype: str | None) -> str:
-    """Load the base in bfloat16 only when that loses nothing: every weight BF16 and a bf16 output
-    (the merge itself is computed in float32 and rounded once to the stored dtype)."""
-    from jaxpi.convert.safetensors_io import read_index
-
-    codes = {
-        info.dtype
-        for name, info in read_index(base).items()
-        if not name.startswith(("model.visual.", "mtp."))
-    }
-    return "bfloat16" if codes == {"BF16"} and dtype in (None, "bfloat16") else "float32"

@@ -1,0 +1,108 @@
+"""`export()`: a trained adapter out as a peft LoRA adapter, or merged into a full HF checkpoint
+(what `jaxpi export` runs).
+
+The adapter is a peft adapter directory (it has `adapter_config.json`) or a jaxpi trainer
+checkpoint (a run directory, its `checkpoints/` directory or one step), read by
+`jaxpi.train.checkpoint.load_adapter`; for those, the base defaults to the one recorded in the
+checkpoint. The peft export needs only the base's `config.json` (no weights are loaded); the
+merged export loads the base, folds the adapter in and writes it with `save_hf`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from jaxpi.config import QwenConfig
+from jaxpi.convert.hf import load_hf
+from jaxpi.convert.safetensors_io import read_index
+from jaxpi.lora import add_lora, select_modules
+from jaxpi.lora.peft import CONFIG_NAME, abstract_lora_model, load_peft, save_merged, save_peft
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def export(
+    adapter: str | Path,
+    out: str | Path,
+    *,
+    base: str | Path | None = None,
+    merged: bool = False,
+    dtype: str | None = None,
+    base_name: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Read the adapter, write the export, return a summary (what `jaxpi export` prints)."""
+    adapter = Path(adapter)
+    if not adapter.exists():
+        raise FileNotFoundError(f"{adapter}: no such adapter directory or checkpoint")
+    if (adapter / CONFIG_NAME).exists():
+        if base is None:
+            raise ValueError("--base is required for a peft adapter (the HF checkpoint it was trained on)")
+        source = "peft"
+        cfg = QwenConfig.from_hf(Path(base))
+        lcfg, state = load_peft(cfg, adapter)
+    else:
+        source = "jaxpi checkpoint"
+        state, lcfg, meta = _load_trainer_checkpoint(adapter)
+        cfg = QwenConfig.from_hf(meta["model_config"])
+        base = base if base is not None else meta.get("base")
+        if base is None:
+            raise ValueError(f"{adapter}: the checkpoint records no base; pass --base")
+    base = Path(base)
+
+    if merged:
+        _, model = load_hf(base, dtype=_load_dtype(base, dtype), progress=progress)
+        add_lora(model, lcfg)
+        nnx.update(model, state)
+        path = save_merged(
+            model, out, base_dir=base, dtype=dtype, overwrite=overwrite, progress=progress, inplace=True
+        )
+    else:
+        model = abstract_lora_model(cfg, lcfg)
+        nnx.update(model, state)
+        path = save_peft(
+            model,
+            lcfg,
+            out,
+            base_dir=base,
+            dtype=dtype or "float32",
+            base_model_name_or_path=base_name,
+            overwrite=overwrite,
+        )
+    return {
+        "source": source,
+        "adapter": str(adapter),
+        "base": str(base),
+        "format": "merged" if merged else "peft",
+        "output": str(path),
+        "files": sorted(p.name for p in path.iterdir()),
+        "rank": lcfg.rank,
+        "alpha": lcfg.alpha,
+        "modules": len(select_modules(cfg, lcfg)),
+    }
+
+
+def _load_trainer_checkpoint(path: Path) -> tuple[nnx.State, Any, dict[str, Any]]:
+    try:
+        from jaxpi.train.checkpoint import load_adapter
+    except ImportError as e:
+        raise ValueError(
+            f"{path}: not a peft adapter directory (no adapter_config.json), and jaxpi trainer checkpoints "
+            f"cannot be read here ({e})"
+        ) from None
+    return load_adapter(path)
+
+
+def _load_dtype(base: Path, dtype: str | None) -> str:
+    """Load the base in bfloat16 only when that loses nothing: every weight BF16 and a bf16 output
+    (the merge itself is computed in float32 and rounded once to the stored dtype)."""
+    codes = {
+        info.dtype
+        for name, info in read_index(base).items()
+        if not name.startswith(("model.visual.", "mtp."))
+    }
+    return "bfloat16" if codes == {"BF16"} and dtype in (None, "bfloat16") else "float32"
