@@ -50,15 +50,17 @@ class Bars:
     abs_floor: float
 
 
-# Against float64 (docs/parity.md, "Thresholds"; measured on 39 float32 and 24 bf16 drawn
-# checkpoints of tests/test_parity_fuzz.py's strategy). float32: ours/torch has median 0.82 and
-# 99th percentile 1.98 over 1,459 tensors; the largest among tensors above both floors was 1.97,
-# so 4 leaves a factor 2; every tensor an injected bug corrupts is off by > 1e-3 (tests/test_inject.py),
-# a thousand times the floor. bfloat16: the ratio's 99th
-# percentile was 3.2 over 641 tensors (a bf16 gradient is rounded to 8 bits at the end), hence 5.
+# Against float64 (docs/parity.md, "The verdict and its thresholds"; measured on drawn clean
+# checkpoints of tests/test_parity_fuzz.py's strategy, 2026-12-01). float32: over 1,531 tensors
+# of 40 checkpoints ours/torch has median 0.82 and 99th percentile 1.97, and among 59 further
+# deep random-weight checkpoints at 2-32 tokens the worst was 4.7 (6.1 with gdn_chunk_size 32):
+# both frameworks 1e-5..1e-4 off there, amplified rounding. Every tensor an injected bug
+# corrupts is off by > 1e-3 (tests/test_inject.py). bfloat16 (641 tensors, 24 checkpoints): the
+# ratio's 99th percentile 3.2, the worst above the floors ~4; a bf16 gradient is rounded to 8
+# bits at the end, so only gross errors show.
 FP64_BARS = {
-    "float32": Bars(ratio=4.0, rel_floor=1e-6, abs_floor=1e-7),
-    "bfloat16": Bars(ratio=5.0, rel_floor=2e-3, abs_floor=1e-6),
+    "float32": Bars(ratio=8.0, rel_floor=1e-6, abs_floor=1e-7),
+    "bfloat16": Bars(ratio=8.0, rel_floor=2e-3, abs_floor=1e-6),
 }
 # Without a float64 run: jaxpi against torch's own run of the same dtype (the earlier harness).
 FP32_BARS = {
