@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxpi.data import cli as data_cli
+from jaxpi.plan.presets import load_preset, prepare_plan_process
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -115,23 +116,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json, full=args.full)
 
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "sharding"
-
-
-def _load_preset(name: str) -> dict:
-    import yaml
-
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ValueError(f"no sharding preset {name!r}; known: {known}")
-    return yaml.safe_load(path.read_text())
-
-
 def _plan_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill --mesh / --device-memory / --dcn / --strategy from --preset where not given."""
     if args.preset:
-        p = _load_preset(args.preset)
+        p = load_preset(args.preset)
         args.mesh = args.mesh or p["mesh"]
         args.dcn = args.dcn or p.get("dcn")
         if args.device_memory is None and p.get("device_memory"):
@@ -144,7 +132,7 @@ def _plan_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sharding.planner import PlanRequest, format_table, plan
+    from jaxpi.plan import PlanRequest, format_table, plan
 
     args = _plan_args(args)
     names = args.compare.split(",") if args.compare else [args.strategy or "fsdp"]
@@ -171,55 +159,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_table(results))
     return 0 if all(r.fits is not False for r in results) else 1
-
-
-def _prepare_plan_process(argv: Sequence[str]) -> None:
-    """The planner compiles for N virtual CPU devices: XLA must hear so before its backend starts
-    (importing jax is fine; the first `jax.devices()` is what reads XLA_FLAGS)."""
-    if _jax_backend_started():
-        return
-    mesh = None
-    for i, a in enumerate(argv):
-        if a == "--mesh" and i + 1 < len(argv):
-            mesh = argv[i + 1]
-        elif a.startswith("--mesh="):
-            mesh = a.split("=", 1)[1]
-        elif a == "--preset" and i + 1 < len(argv) and mesh is None:
-            try:
-                mesh = _load_preset(argv[i + 1])["mesh"]
-            except (ValueError, OSError, KeyError):
-                return  # argparse reports it
-    if not mesh:
-        return
-    try:
-        n = 1
-        for part in mesh.split(","):
-            n *= int(part.split("=")[1])
-    except (IndexError, ValueError):
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _plan_flags(n)).strip()
-
-
-def _jax_backend_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except (ImportError, AttributeError):  # pragma: no cover - private API moved
-        return True
-
-
-def _plan_flags(n: int) -> str:
-    # XLA:CPU reads its scheduler choice from XLA_FLAGS only (see sharding.planner).
-    from sharding.planner import MEMORY_SCHEDULER_FLAG
-
-    return (
-        f"--xla_force_host_platform_device_count={n} "
-        f"--xla_disable_hlo_passes=while-loop-invariant-code-motion {MEMORY_SCHEDULER_FLAG}"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -421,7 +360,7 @@ COMPILE_CACHED = frozenset({"sft", "grpo", "serve", "gateway", "eval", "pi", "de
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        _prepare_plan_process(argv)
+        prepare_plan_process(argv)
     args = build_parser().parse_args(argv)
     if args.command in COMPILE_CACHED:
         from jaxpi import compile_cache

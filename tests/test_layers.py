@@ -78,12 +78,6 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
         ("jaxpi.runner.collector", "jaxpi.gateway"),
         ("jaxpi.runner.collector", "jaxpi.serve"),
         ("jaxpi.runner.grpo", "jaxpi.rl.trainer"),  # the Pi environment moves into rl/
-        ("sharding.planner", "jaxpi.cli"),
-        ("sharding.planner", "jaxpi.config"),
-        ("sharding.planner", "jaxpi.kernels.attention"),
-        ("sharding.planner", "jaxpi.lora"),
-        ("sharding.planner", "jaxpi.models.qwen3_5"),
-        ("sharding.planner", "jaxpi.train.step"),  # the planner moves up to jaxpi/plan/
     }
 )
 

@@ -93,7 +93,7 @@ def test_plan_table_and_device_memory_verdict():
 def test_plan_errors_are_clear():
     proc = run_plan("--model", "tiny", "--mesh", "fsdp=2", "--strategy", "zero9")
     assert proc.returncode == 2 and "unknown sharding strategy" in proc.stderr
-    from sharding.planner import PlanRequest  # leaves this process's XLA_FLAGS alone
+    from jaxpi.plan import PlanRequest  # leaves this process's XLA_FLAGS alone
 
     with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
         PlanRequest(model="tiny", loss_chunk=-1)
@@ -118,7 +118,7 @@ def plan_levers(specs: tuple[str, ...]) -> dict[str, dict]:
     code = textwrap.dedent(
         """
         import json, os, sys
-        from sharding.planner import PlanRequest, plan, planner_xla_flags
+        from jaxpi.plan import PlanRequest, plan, planner_xla_flags
         os.environ["XLA_FLAGS"] = planner_xla_flags(1)  # before the backend starts
         out = {}
         for spec in sys.argv[1:]:
