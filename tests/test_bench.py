@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxpi import cli
-from jaxpi.bench.cli import format_table
+from jaxpi.bench.table import format_table
 from jaxpi.bench.compile import abstract_step
 from jaxpi.bench.config import make_config
 from jaxpi.bench.flops import lora_params, matmul_params, train_step_flops
@@ -232,9 +232,9 @@ def test_bad_flags_are_refused(capsys):
     assert cli.main(["bench", "train-step", "--preset", "tiny", "--repeats", "0"]) == 2
     assert "repeats must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="comma-separated integers"):
-        from jaxpi.bench.cli import _ints
+        from jaxpi.bench.run import parse_ints
 
-        _ints("8,x")
+        parse_ints("8,x")
 
 
 def test_gdn_inputs_are_seeded():

@@ -92,3 +92,30 @@ def test_demo_end_to_end(tmp_path, capsys):
     losses = result["sft"]["losses"]
     assert len(losses) == result["sft"]["steps"] and losses[-1] < losses[0] - 0.5
     assert result["reload"]["rel_err_vs_peft"] <= 1e-4 < result["reload"]["adapter_effect"]
+
+
+def test_the_command_table_is_what_the_parsers_register():
+    """`jaxpi --help` is printed from jaxpi.cli.registry without importing the commands: it must
+    read exactly as the parser with every command's module registered."""
+    import argparse
+
+    from jaxpi.cli import ALL, build_parser
+    from jaxpi.cli.registry import COMMANDS
+
+    full = build_parser(ALL)
+    assert build_parser(None).format_help() == full.format_help()
+    (sub,) = [a for a in full._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == [c.name for c in COMMANDS]
+    assert {a.dest: a.help for a in sub._choices_actions} == {c.name: c.help for c in COMMANDS}
+    for c in COMMANDS:  # `jaxpi CMD` registers CMD's own arguments, the others as placeholders
+        (one,) = [a for a in build_parser(c.name)._actions if isinstance(a, argparse._SubParsersAction)]
+        own = {name for name, p in one.choices.items() if len(p._actions) > 1}
+        assert c.name in own and own <= {d.name for d in COMMANDS if d.module == c.module}
+
+
+def test_bad_input_exits_2_and_names_the_command(capsys):
+    # A bad value is refused before anything is loaded or started, as every command does.
+    assert main(["serve", "--model", "m", "--max-batch", "0"]) == 2
+    assert "jaxpi serve: error: max_batch must be >= 1" in capsys.readouterr().err
+    assert main(["gateway", "--upstream", "127.0.0.1:8000"]) == 2
+    assert "jaxpi gateway: error: upstream must be an http" in capsys.readouterr().err

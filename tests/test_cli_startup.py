@@ -1,6 +1,7 @@
-"""Light commands start without jax: their modules, and the packages above them, import no jax,
-flax, torch or transformers (about 1.7 s of start-up each on 2 cores). Package `__init__`s
-re-export lazily (PEP 562), so `from jaxpi.serve import ServeConfig` stays cheap."""
+"""Light commands start without jax: `jaxpi --help`, the light commands' --help and their modules
+import no jax, flax, torch or transformers (about 1.7 s of start-up each on 2 cores). The front
+door imports only the command that runs; package `__init__`s re-export lazily (PEP 562), so
+`from jaxpi.serve import ServeConfig` stays cheap."""
 
 from __future__ import annotations
 
@@ -12,22 +13,38 @@ import pytest
 
 HEAVY = ("jax", "flax", "torch", "transformers")
 
-# What `jaxpi tasks`, `data`, `pi`, `serve`, `gateway`, `eval` and `vllm` import to parse their
-# flags, and the lazy package facades.
+# The front door and the modules of the commands that parse their flags without jax, and the
+# lazy package facades.
 LIGHT = (
     "jaxpi",
     "jaxpi.train",
     "jaxpi.rollout",
     "jaxpi.serve",
     "jaxpi.gateway",
+    "jaxpi.plan",
     "jaxpi.serve.config",
-    "jaxpi.tasks.cli",
-    "jaxpi.data.cli",
-    "jaxpi.runner.cli",
-    "jaxpi.serve.cli",
-    "jaxpi.gateway.cli",
-    "jaxpi.eval.cli",
-    "jaxpi.vllm.cli",
+    "jaxpi.cli",
+    "jaxpi.cli.tasks",
+    "jaxpi.cli.data",
+    "jaxpi.cli.pi",
+    "jaxpi.cli.serve",
+    "jaxpi.cli.gateway",
+    "jaxpi.cli.eval",
+    "jaxpi.cli.vllm",
+    "jaxpi.cli.plan",
+)
+# `jaxpi --help` and these commands' --help: only the command's own module is imported.
+HELP = (
+    [],
+    ["tasks", "list"],
+    ["data", "check"],
+    ["pi", "run"],
+    ["serve"],
+    ["gateway"],
+    ["eval"],
+    ["select"],
+    ["vllm", "serve"],
+    ["plan"],
 )
 
 # Records, for the first import of each heavy package, the project lines that led to it.
@@ -42,12 +59,20 @@ class Spy(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Spy())
 for m in {modules!r}:
     __import__(m)
+import contextlib, io
+from jaxpi.cli import main
+for argv in {helps!r}:
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            main([*argv, "--help"])
+    except SystemExit as e:
+        assert e.code == 0, (argv, e.code)
 print(json.dumps(first))
 """
 
 
-def test_light_modules_import_no_jax():
-    code = PROBE.format(heavy=HEAVY, modules=LIGHT)
+def test_help_and_light_modules_import_no_jax():
+    code = PROBE.format(heavy=HEAVY, modules=LIGHT, helps=HELP)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     first = json.loads(out.stdout)
     assert not first, "light modules import heavy packages (first importing lines):\n" + "\n".join(

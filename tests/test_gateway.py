@@ -348,7 +348,7 @@ def test_gateway_cli_process(tmp_path, key_from):
 def test_gateway_flags_map_onto_the_config(monkeypatch):
     import argparse
 
-    from jaxpi.gateway.cli import add_subparser, gateway_config
+    from jaxpi.cli.gateway import add_subparser, gateway_config
 
     parser = argparse.ArgumentParser()
     add_subparser(parser.add_subparsers())

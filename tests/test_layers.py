@@ -60,7 +60,7 @@ FORBIDDEN = frozenset(
 # on an entry here that no longer exists (so the list only shrinks).
 KNOWN: frozenset[tuple[str, str]] = frozenset(
     {
-        ("jaxpi.convert.export_cli", "jaxpi.train.export"),  # the command moves up to jaxpi/cli/
+        ("jaxpi.convert.export_cli", "jaxpi.train.export"),  # a re-export until the demo switches
         (
             "jaxpi.convert.peft",
             "jaxpi.lora.peft",
@@ -87,7 +87,7 @@ KNOWN: frozenset[tuple[str, str]] = frozenset(
 LAZY_OK = ("jaxpi.cli", "jaxpi.kernels")
 # Measured on the tree of 2026-12-01 (the multi-seed study's rl/study.py included); lower it as
 # imports move up to module level.
-LAZY_BUDGET = 163
+LAZY_BUDGET = 138
 
 # Entry points run as processes (`python -m jaxpi.cli ...`), not imported: not edges.
 PROCESS_ENTRY_POINTS = frozenset({"jaxpi.cli"})

@@ -348,7 +348,7 @@ def test_cli_serves_and_stops_on_sigterm(served):
 def test_serve_flags_map_onto_the_config(monkeypatch):
     import argparse
 
-    from jaxpi.serve.cli import add_subparser, serve_config
+    from jaxpi.cli.serve import add_subparser, serve_config
 
     parser = argparse.ArgumentParser()
     add_subparser(parser.add_subparsers())

@@ -9,10 +9,12 @@ import sys
 import uuid
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+
 
 def add_subparser(sub: Any) -> None:
     """Register `jaxpi pi ...` on the top-level subparsers object."""
-    pi = sub.add_parser("pi", help="the Pi coding agent: install it (pinned), run one sandboxed attempt")
+    pi = sub.add_parser("pi", help=help_for("pi"))
     psub = pi.add_subparsers(dest="pi_command", required=True)
     st = psub.add_parser(
         "setup",

@@ -15,6 +15,8 @@ import json
 import re
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+
 _DEFAULT_TOKENIZER = "the bundled tiny tokenizer"
 
 
@@ -28,7 +30,7 @@ def _bytes(text: str) -> int:
 
 def add_subparser(sub: Any) -> None:
     """Register `jaxpi data ...` on the top-level subparsers object."""
-    data = sub.add_parser("data", help="SFT data: check sessions (read, gate, render, count tokens)")
+    data = sub.add_parser("data", help=help_for("data"))
     data_sub = data.add_subparsers(dest="data_command", required=True)
     chk = data_sub.add_parser(
         "check",

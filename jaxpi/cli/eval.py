@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+
 
 def _levels(text: str) -> list[str]:
     from jaxpi.runner.pi_config import LEVELS
@@ -51,7 +53,7 @@ def add_subparser(sub: Any) -> None:
     """Register `jaxpi eval` and `jaxpi select`."""
     ev = sub.add_parser(
         "eval",
-        help="agent evaluation: Pi attempts at every task x level x K, pass rate per level, a PNG",
+        help=help_for("eval"),
         description="Runs every task x level x K real Pi attempts (sandboxed, verifier-scored) against the "
         "model and prints the per-level table: pass rate with its 95%% Wilson interval, mean reasoning "
         "tokens (task-bootstrap interval), output tokens, turns, wall time. Saves results.json, table.txt "
@@ -69,7 +71,7 @@ def add_subparser(sub: Any) -> None:
     ev.set_defaults(fn=cmd_eval)
     se = sub.add_parser(
         "select",
-        help="rank checkpoints by agent pass rate (saved evals are reused)",
+        help=help_for("select"),
         description="Each argument is a saved `jaxpi eval` output (dir with results.json, reused as is) or "
         "a checkpoint (evaluated on --tasks first). Ranked by the pass rate pooled over levels.",
     )
@@ -127,7 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from jaxpi.eval.run import compare, load_results
 
     if (args.model is None) == (args.endpoint is None):
-        raise SystemExit("jaxpi eval: give exactly one of --model and --endpoint")
+        raise ValueError("give exactly one of --model and --endpoint")
     name = args.name or Path(args.model or "endpoint").resolve().name
     out = Path(args.out or f"runs/eval/{name}")
     res = _eval_one(args, args.model, args.adapter, name, out)

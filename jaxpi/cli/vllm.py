@@ -15,12 +15,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
     """Register `jaxpi vllm` (with `setup` and `serve`) on the CLI's subparsers."""
     p = sub.add_parser(
         "vllm",
-        help="rollouts on vLLM: build its separate venv (setup), run its OpenAI-compatible server (serve)",
+        help=help_for("vllm"),
         description="vLLM runs in its own virtualenv (cached outside the checkout) and as its own server "
         "process; the GRPO trainer talks to it over HTTP (collect.engine=vllm). See docs/vllm.md.",
     )

@@ -10,12 +10,12 @@ import argparse
 import json
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+
 
 def add_subparser(sub: Any) -> None:
     """Register `jaxpi tasks ...` on the top-level subparsers object."""
-    tasks = sub.add_parser(
-        "tasks", help="agent tasks: list them, audit them (oracle passes, empty workspace fails)"
-    )
+    tasks = sub.add_parser("tasks", help=help_for("tasks"))
     tsub = tasks.add_subparsers(dest="tasks_command", required=True)
     ls = tsub.add_parser("list", help="load and list the tasks under DIR")
     ls.add_argument("dir", help="a task directory or a directory of them (searched recursively)")

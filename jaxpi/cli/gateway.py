@@ -6,13 +6,16 @@ import argparse
 import os
 from typing import Any
 
+from jaxpi.cli.registry import help_for
+from jaxpi.cli.serving import add_http_flags, http_fields, serve_until_signal
+from jaxpi.serve.config import API_KEY_ENV, UPSTREAM_API_KEY_ENV, GatewayConfig
+
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
-    from jaxpi.serve.cli import add_http_flags
-
+    """Register `jaxpi gateway`."""
     p = sub.add_parser(
         "gateway",
-        help="OpenAI-compatible proxy in front of vLLM or jaxpi serve that records token ids and logprobs per attempt",
+        help=help_for("gateway"),
         description="Forward /v1/chat/completions (streaming or not) upstream with return_token_ids and logprobs, "
         "answer the client normally, and record every call per attempt in --record-dir/<attempt>.jsonl. "
         "Attempts are opened with the gateway's key (POST /jaxpi/attempts -> a token per attempt, the "
@@ -50,9 +53,6 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
 
 def gateway_config(args: argparse.Namespace) -> Any:
     """The `GatewayConfig` of parsed `jaxpi gateway` arguments."""
-    from jaxpi.serve.cli import http_fields
-    from jaxpi.serve.config import API_KEY_ENV, UPSTREAM_API_KEY_ENV, GatewayConfig
-
     return GatewayConfig(
         upstream=args.upstream,
         host=args.host,
@@ -66,12 +66,8 @@ def gateway_config(args: argparse.Namespace) -> Any:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from jaxpi.gateway.proxy import start_gateway
-    from jaxpi.serve.cli import serve_until_signal
 
-    try:
-        cfg = gateway_config(args)
-    except ValueError as e:
-        raise SystemExit(f"jaxpi gateway: {e}") from None
+    cfg = gateway_config(args)  # a bad value is a ValueError: `jaxpi gateway: error: ...`, exit 2
     handle = start_gateway(cfg)
     info = {"url": handle.url, "pid": os.getpid(), "upstream": cfg.upstream, "record_dir": cfg.record_dir}
     if cfg.api_key is None:  # generated: the operator learns it here or not at all

@@ -1,0 +1,64 @@
+"""`jaxpi tiny-checkpoint`: a tiny random Qwen3.5 checkpoint built by transformers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from jaxpi.cli.registry import help_for
+
+
+def add_subparser(sub: Any) -> None:
+    """Register `jaxpi tiny-checkpoint`."""
+    tiny = sub.add_parser("tiny-checkpoint", help=help_for("tiny-checkpoint"))
+    tiny.add_argument("out")
+    tiny.add_argument("--kind", choices=["causal", "conditional"], default="causal")
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--tied", action="store_true", help="tie_word_embeddings")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tiny.add_argument(
+        "--hf-config",
+        default=None,
+        help="a text config as JSON (config.json's fields), built with transformers instead of the tiny preset",
+    )
+    tiny.add_argument(
+        "--weights",
+        choices=["init", "random"],
+        default="init",
+        help="with --hf-config: transformers' init with norms and gates perturbed, or every weight random",
+    )
+    tiny.add_argument(
+        "--strong-decay",
+        action="store_true",
+        help="with --hf-config: A_log in [1, 3], dt_bias in [1, 4] (decays of -10 to -80 per token)",
+    )
+    tiny.set_defaults(fn=cmd_tiny)
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from jaxpi.config import TINY
+    from jaxpi.hf_fixtures import make_checkpoint, make_hf_checkpoint
+
+    if args.hf_config is not None:
+        try:
+            text = json.loads(args.hf_config)
+        except json.JSONDecodeError as e:
+            print(f"jaxpi tiny-checkpoint: --hf-config is not JSON: {e}", file=sys.stderr)
+            return 2
+        out = make_hf_checkpoint(
+            args.out,
+            text,
+            kind=args.kind,
+            tie=args.tied,
+            weights=args.weights,
+            strong_decay=args.strong_decay,
+            seed=args.seed,
+        )
+    else:
+        cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
+        out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype)
+    print(out)
+    return 0
