@@ -257,6 +257,26 @@ def _seeds(eo_ends: list[float], bin_ends: list[float], start: float = 1.2, xhig
     return out
 
 
+def test_start_check_compares_samples_not_the_arms_scores(tmp_path):
+    """The arms score one policy's start samples with their own rewards: a reward or advantage
+    that differs is no difference in the policy's samples; a token count that differs is."""
+    rec = {"split": "eval", "step": 0, "level": "low", "reasoning_tokens": 58, "success": True}
+    runs = {}
+    for name, extra in {
+        "eo": {"reward": 0.54, "advantage": 0.1},
+        "bin": {"reward": 1.0, "advantage": 0.0},
+        "other": {"reward": 1.0, "advantage": 0.0, "reasoning_tokens": 59},
+    }.items():
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        train = {**rec, "split": "train", "reasoning_tokens": 7}
+        text = "\n".join(json.dumps(r) for r in ({**rec, **extra}, train))
+        (runs[name] / "attempts.jsonl").write_text(text + "\n")
+    assert study._eval_records(runs["eo"], 0) == study._eval_records(runs["bin"], 0)
+    assert study._eval_records(runs["eo"], 0) != study._eval_records(runs["other"], 0)
+    assert len(study._eval_records(runs["eo"], 0)) == 1
+
+
 def test_criteria_met_and_each_one_failing():
     levels = ("low", "medium", "xhigh")
     arms = tuple(study.ARMS)

@@ -376,9 +376,18 @@ def _point(summary: Any) -> dict[str, Any]:
     return out
 
 
+# What an arm's reward makes of an attempt: the policy's samples are the same in both arms, these not.
+_SCORING = ("reward", "advantage")
+
+
 def _eval_records(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """The evaluation's attempts at `step` as the policy sampled them (the arm's scores left out)."""
     recs = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in recs if r["split"] == "eval" and r["step"] == step]
+    return [
+        {k: v for k, v in r.items() if k not in _SCORING}
+        for r in recs
+        if r["split"] == "eval" and r["step"] == step
+    ]
 
 
 def _train_series(run: Any) -> list[tuple[int, float | None]]:
@@ -906,7 +915,10 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--arms", default="effort_ordered,binary", help="reward kinds to run (comma list)")
     p.add_argument(
-        "--jobs", type=int, default=1, help="runs at a time (default 1; docs/grpo.md measures 2 on 2 cores)"
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="runs at a time (default: 2 where there are 2 cores; docs/grpo.md measures 1 against 2)",
     )
     p.add_argument("--short", action="store_true", help="the two-update machinery version (toy-random base)")
     p.add_argument(
