@@ -292,12 +292,16 @@ _OPTIONAL = (
     "hidden_act",
     "attention_bias",
 )
-_KNOWN = set(_REQUIRED) | set(_OPTIONAL) | {
-    "tie_word_embeddings",
-    "model_type",
-    "architectures",
-    "pad_token_id",
-}
+_KNOWN = (
+    set(_REQUIRED)
+    | set(_OPTIONAL)
+    | {
+        "tie_word_embeddings",
+        "model_type",
+        "architectures",
+        "pad_token_id",
+    }
+)
 # Fields folded into our own (rope) or re-derived, so not carried as extras.
 # The storage dtype is a property of the files, written by `save_hf`, not of the architecture.
 _DERIVED = {

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+
 def _not_an_int(value: Any) -> Any:
     """transformers' strict dataclasses refuse an int for a float field (`"rms_norm_eps": 1`)."""
     if isinstance(value, int) and not isinstance(value, bool):

@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 
 from jaxpi import cli
-from jaxpi.bench.table import format_table
 from jaxpi.bench.compile import abstract_step
 from jaxpi.bench.config import make_config
 from jaxpi.bench.flops import lora_params, matmul_params, train_step_flops
+from jaxpi.bench.table import format_table
 from jaxpi.config import FULL, LINEAR, TINY
 
 # One layer of each type: d 64, I 128, attention 4 q / 2 kv heads of 32, DeltaNet 2 k / 6 v

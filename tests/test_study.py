@@ -277,6 +277,56 @@ def test_start_check_compares_samples_not_the_arms_scores(tmp_path):
     assert len(study._eval_records(runs["eo"], 0)) == 1
 
 
+def test_a_resumed_run_counts_the_time_of_every_process(tmp_path, monkeypatch):
+    """done.json's seconds: the earlier processes' time (written to logs/ while they ran) plus the
+    last one's; a run started afresh ignores a stale record; the record goes once the run is done."""
+    monkeypatch.setattr(study, "ELAPSED_EVERY_S", 0.05)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sleep = [sys.executable, "-c", "import time; time.sleep(0.4)"]
+    resumed, fresh = tmp_path / "resumed", tmp_path / "fresh"
+    (resumed / "checkpoints").mkdir(parents=True)  # what a killed run leaves behind
+    fresh.mkdir()  # (the runs make their own directories; these commands do not)
+    for name in ("resumed", "fresh"):
+        (logs / f"{name}.seconds").write_text(json.dumps({"seconds": 100.0}) + "\n")
+    jobs = [study.Job("resumed", resumed, sleep), study.Job("fresh", fresh, sleep)]
+    said: list[str] = []
+    state = study.run_jobs(jobs, logs, parallel=2, say=said.append, poll_s=0.01)
+    assert state == {"resumed": "ran", "fresh": "ran"}
+    for run, earlier in ((resumed, 100.0), (fresh, 0.0)):
+        done = json.loads((run / "done.json").read_text())
+        assert 0.4 <= done["seconds_last_process"] < 30
+        assert done["seconds"] == pytest.approx(earlier + done["seconds_last_process"], abs=0.11)
+    assert not list(logs.glob("*.seconds"))
+    assert any("with the earlier processes" in s for s in said if s.startswith("done  resumed"))
+
+
+def test_a_running_job_writes_its_time_so_far(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "ELAPSED_EVERY_S", 0.05)
+    logs, run = tmp_path / "logs", tmp_path / "run"
+    job = study.Job("seed-0/x", run, [sys.executable, "-c", "import time; time.sleep(60)"])
+    seen: list[float] = []
+
+    def watch(line: str) -> None:  # called when the job starts: poll its record from a thread
+        import threading
+
+        def poll() -> None:
+            path = logs / "seed-0-x.seconds"
+            deadline = time.time() + 20
+            while time.time() < deadline and not seen:
+                if path.exists():
+                    seen.append(json.loads(path.read_text())["seconds"])
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGTERM)  # stop the study: its child goes with it
+
+        threading.Thread(target=poll, daemon=True).start()
+
+    with pytest.raises(KeyboardInterrupt):
+        study.run_jobs([job], logs, parallel=1, say=watch, poll_s=0.01)
+    assert seen and 0 < seen[0] < 20
+    assert not (run / "done.json").exists()
+
+
 def test_criteria_met_and_each_one_failing():
     levels = ("low", "medium", "xhigh")
     arms = tuple(study.ARMS)

@@ -273,6 +273,24 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# A running job's time so far, rewritten every ELAPSED_EVERY_S in the study's logs/ (not in the run
+# directory, which belongs to the run): a run killed and resumed counts the time of every process
+# that worked on it, less at most that interval per interruption.
+ELAPSED_EVERY_S = 5.0
+
+
+def _elapsed_path(logs: Path, name: str) -> Path:
+    return logs / (name.replace("/", "-") + ".seconds")
+
+
+def _prior_seconds(logs: Path, name: str) -> float:
+    try:
+        value = float(json.loads(_elapsed_path(logs, name).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    return value if math.isfinite(value) and value >= 0 else 0.0
+
+
 def run_jobs(
     jobs: Sequence[Job],
     logs: Path,
@@ -294,6 +312,8 @@ def run_jobs(
             raise FileNotFoundError(f"{j.run_dir}: not a finished run (no done.json) of the starts study")
     pending = [j for j in jobs if j.name not in state]
     running: dict[str, tuple[Job, subprocess.Popen, float, Any]] = {}
+    prior: dict[str, float] = {}  # seconds earlier processes spent on a job
+    noted: dict[str, float] = {}  # when a job's elapsed time was last written
     t_study = time.time()
 
     def stop(signum: int, _frame: Any) -> None:
@@ -324,20 +344,37 @@ def run_jobs(
                     preexec_fn=_die_with_parent,
                 )
                 running[j.name] = (j, proc, time.time(), log)
+                prior[j.name] = _prior_seconds(logs, j.name) if resumed else 0.0
+                noted[j.name] = time.time()
                 pending.remove(j)
             time.sleep(poll_s if running else 0)
             for name, (j, proc, t0, log) in list(running.items()):
                 rc = proc.poll()
                 if rc is None:
+                    if time.time() - noted[name] >= ELAPSED_EVERY_S:
+                        noted[name] = time.time()
+                        spent = {"seconds": round(prior[name] + time.time() - t0, 1)}
+                        _write_atomic(_elapsed_path(logs, name), json.dumps(spent) + "\n")
                     continue
                 log.close()
                 del running[name]
                 seconds = time.time() - t0
                 if rc == 0:
-                    record = {"command": j.argv, "seconds": round(seconds, 1), "finished": time.time()}
+                    record = {
+                        "command": j.argv,
+                        "seconds": round(prior[name] + seconds, 1),  # every process's, if resumed
+                        "seconds_last_process": round(seconds, 1),
+                        "finished": time.time(),
+                    }
                     _write_atomic(j.run_dir / "done.json", json.dumps(record, indent=2) + "\n")
+                    _elapsed_path(logs, name).unlink(missing_ok=True)
                     state[name] = "ran"
-                    say(f"done  {name} in {seconds:.0f} s ({time.time() - t_study:.0f} s into the study)")
+                    earlier = (
+                        f", {prior[name] + seconds:.0f} s with the earlier processes" if prior[name] else ""
+                    )
+                    say(
+                        f"done  {name} in {seconds:.0f} s{earlier} ({time.time() - t_study:.0f} s into the study)"
+                    )
                 else:
                     state[name] = f"failed (rc {rc}, log {log.name})"
                     say(f"FAILED {name}: exit {rc}; see {log.name}")
