@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -325,6 +326,17 @@ def test_a_running_job_writes_its_time_so_far(tmp_path, monkeypatch):
         study.run_jobs([job], logs, parallel=1, say=watch, poll_s=0.01)
     assert seen and 0 < seen[0] < 20
     assert not (run / "done.json").exists()
+
+
+def test_picture_leaves_a_gap_where_no_seed_has_a_ratio(tmp_path):
+    """A collection in which no seed has T_L/T_M (no admitted success at a level: a broken policy)
+    is a gap in the mean curve, not a numpy warning."""
+    seeds = [{"seed": 0, "arms": {"effort_ordered": {"series": [(0, 1.2), (1, None), (2, 0.9)]}}}]
+    rows = {"start low/medium": {"mean": None}, "effort_ordered low/medium": {"mean": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        image = study.plot_study(seeds, ["effort_ordered"], tmp_path / "ordering.png", rows)
+    assert Path(image).stat().st_size > 0
 
 
 def test_criteria_met_and_each_one_failing():

@@ -728,7 +728,9 @@ def plot_study(
             curves[s["seed"]] = dict(series)
         steps = sorted({x for cur in curves.values() for x in cur})
         if steps:
-            mean = [np.mean([cur[x] for cur in curves.values() if cur.get(x) is not None]) for x in steps]
+            # A collection where no seed has a ratio (a level with no admitted success) is a gap.
+            at = [[cur[x] for cur in curves.values() if cur.get(x) is not None] for x in steps]
+            mean = [float(np.mean(v)) if v else math.nan for v in at]
             ax.plot(
                 steps, mean, "-", color=c, lw=2.8, label=f"training collections, mean of {len(curves)} seeds"
             )
