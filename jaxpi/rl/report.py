@@ -508,10 +508,23 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
             + [_tokens(s.stats[e].reasoning_tokens) for e in levels]
             + [_ratio(s.ordering[p]) for p in pairs]
         )
+    legend = ", ".join(f"{a} = {e}" for a, e in zip(ini, levels, strict=True) if a != e)
+    foot = (
+        (f"{legend}. " if legend else "")
+        + "pass: pass rate over admitted attempts [95% Wilson]. sched: admitted successes over scheduled "
+        "attempts, non-admitted (malformed) ones counted as failures [95% Wilson]. T: mean reasoning "
+        "tokens per admitted attempt. Ratios: T_lower/T_upper [95% bootstrap over tasks]; bold above 1.00 = ordering violation."
+    )
+    notes = sorted({s.note for _, s in rows if s.note})
+    return "\n".join([markdown_table(header, body), "", foot, *notes])
+
+
+def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A Markdown table: the first column left-aligned (names), the others right-aligned (figures),
+    padded so the columns line up in plain text too."""
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
-    def line(cells: list[str]) -> str:
-        # Left-align the names, right-align the numbers, so columns of figures line up.
+    def line(cells: Sequence[str]) -> str:
         parts = [
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ]
@@ -522,15 +535,7 @@ def comparison_table(rows: Sequence[tuple[str, Summary]]) -> str:
         + "|".join(":" + "-" * (w + 1) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
         + "|"
     )
-    legend = ", ".join(f"{a} = {e}" for a, e in zip(ini, levels, strict=True) if a != e)
-    foot = (
-        (f"{legend}. " if legend else "")
-        + "pass: pass rate over admitted attempts [95% Wilson]. sched: admitted successes over scheduled "
-        "attempts, non-admitted (malformed) ones counted as failures [95% Wilson]. T: mean reasoning "
-        "tokens per admitted attempt. Ratios: T_lower/T_upper [95% bootstrap over tasks]; bold above 1.00 = ordering violation."
-    )
-    notes = sorted({s.note for _, s in rows if s.note})
-    return "\n".join([line(header), rule, *(line(r) for r in body), "", foot, *notes])
+    return "\n".join([line(header), rule, *(line(r) for r in body)])
 
 
 # -------------------------------------------------------------------------------------- pictures

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpi.rl.report import Estimate
+from jaxpi.rl.report import Estimate, markdown_table
 from jaxpi.rl.toy_result import CONFIGS, SHORT
 
 SFT_CONFIG = CONFIGS / "sft" / "toy.yaml"
@@ -600,21 +600,7 @@ def _pcts(point: dict[str, Any] | None, what: str, levels: Sequence[str]) -> str
     return " / ".join("–" if v is None else f"{100 * v['value']:.0f}" for v in vals)
 
 
-def _md(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(parts) + " |"
-
-    rule = (
-        "|"
-        + "|".join(":" + "-" * (w + 1) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
-        + "|"
-    )
-    return "\n".join([line(header), rule, *(line(r) for r in body)])
+_md = markdown_table
 
 
 def tables(
