@@ -24,6 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     for s in (
         {
             "jaxpi.hf_schema",
+            "jaxpi.lazy",
             "jaxpi.atomic",
             "jaxpi.configfile",
             "jaxpi.compile_cache",

@@ -27,8 +27,9 @@ The names below are imported on first use (PEP 562): `jaxpi plan` sets XLA_FLAGS
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from jaxpi.lazy import facade
 
 if TYPE_CHECKING:
     from jaxpi.plan.compiled import plan
@@ -58,13 +59,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'jaxpi.plan' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+__getattr__, __dir__ = facade(__name__, _WHERE, globals())
