@@ -12,7 +12,7 @@ from jaxpi.hf_fixtures import random_jax_model, seeded_noise
 from jaxpi.kernels.lm_head import target_logprobs
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rl.loss import sequence_logprobs
-from jaxpi.train.sft import ModelConfig
+from jaxpi.train.base import ModelConfig
 from jaxpi.train.step import next_token_loss
 
 

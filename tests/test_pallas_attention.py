@@ -122,7 +122,7 @@ def test_model_config_selects_flash_attention_end_to_end(tmp_path):
     from jaxpi import TINY, load_hf
     from jaxpi.config import FULL, LINEAR
     from jaxpi.hf_fixtures import make_checkpoint
-    from jaxpi.train.sft import ModelConfig
+    from jaxpi.train.base import ModelConfig
 
     with pytest.raises(ValueError, match="attn_impl"):
         ModelConfig(attn_impl="cudnn")

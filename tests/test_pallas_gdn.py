@@ -272,7 +272,7 @@ def test_model_config_selects_the_pallas_path_end_to_end(tmp_path):
 
     from jaxpi import TINY, load_hf
     from jaxpi.hf_fixtures import make_checkpoint
-    from jaxpi.train.sft import ModelConfig
+    from jaxpi.train.base import ModelConfig
 
     with pytest.raises(ValueError, match="gdn_impl"):
         ModelConfig(gdn_impl="triton")

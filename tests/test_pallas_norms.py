@@ -198,7 +198,7 @@ def test_model_config_selects_the_pallas_norms_end_to_end(tmp_path):
     from jaxpi import TINY, load_hf
     from jaxpi.config import FULL, LINEAR
     from jaxpi.hf_fixtures import make_checkpoint
-    from jaxpi.train.sft import ModelConfig
+    from jaxpi.train.base import ModelConfig
 
     with pytest.raises(ValueError, match="norm_impl"):
         ModelConfig(norm_impl="triton")

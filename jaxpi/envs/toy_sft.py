@@ -69,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -618,6 +619,25 @@ def make_copy_base(
         )
     finally:
         shutil.rmtree(random_dir, ignore_errors=True)
+
+
+def toy_random_base(out_dir: Path, request: Any) -> Path:
+    """`model.base: toy-random` (a `jaxpi.bases` entry point): `make_toy_base` with the run's seed."""
+    return make_toy_base(out_dir, seed=request.seed, layers=request.layers)
+
+
+def toy_copy_base(out_dir: Path, request: Any) -> Path:
+    """`model.base: toy-copy` (a `jaxpi.bases` entry point): `make_copy_base` with the run's seed,
+    pre-trained on values 0 .. `max_value`-1 (SFT's data.toy_max_value, GRPO's env.max_value)."""
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    max_value = int(request.options.get("max_value", CopyPretrainConfig.max_value))
+    return make_copy_base(
+        out_dir,
+        seed=request.seed,
+        layers=request.layers,
+        cfg=CopyPretrainConfig(max_value=max_value),
+        say=say,
+    )
 
 
 def load_run(run_dir: str | Any) -> tuple[Any, Any, RenderConfig]:

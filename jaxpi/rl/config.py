@@ -16,8 +16,8 @@ import dataclasses
 from jaxpi.lora import LoraConfig
 from jaxpi.rl.loss import GRPOLossConfig
 from jaxpi.rl.reward import RewardConfig
+from jaxpi.train.base import ModelConfig
 from jaxpi.train.schedule import OptimConfig
-from jaxpi.train.sft import ModelConfig
 
 # "pi" is provided by the Pi runner (`jaxpi.runner`), which registers it with the trainer
 # (`jaxpi.rl.trainer.register_env`); the config only checks the name.

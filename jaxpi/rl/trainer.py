@@ -272,17 +272,18 @@ def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
 
     from jaxpi.convert.hf import load_hf
     from jaxpi.lora import LoRAParam, add_lora
+    from jaxpi.train.base import prepare_base
     from jaxpi.train.checkpoint import load_adapter
-    from jaxpi.train.sft import prepare_base
     from jaxpi.train.step import split_trainable
 
     adapter = None
+    base_options = {"max_value": cfg.env.max_value}  # the toy bases' values (jaxpi.bases entry points)
     if cfg.model.adapter and (Path(cfg.model.adapter) / "adapter_config.json").exists():
         # A peft adapter (e.g. trained with peft/TRL) on `model.base`: its own rank and targets.
         from jaxpi.config import QwenConfig
         from jaxpi.convert.peft import load_peft
 
-        base_dir = prepare_base(cfg, run_dir)  # type: ignore[arg-type]
+        base_dir = prepare_base(cfg.model, run_dir, seed=cfg.train.seed, options=base_options)
         lora_cfg, adapter = load_peft(QwenConfig.from_hf(base_dir), cfg.model.adapter)
         tokenizer_dir = base_dir
     elif cfg.model.adapter:
@@ -290,7 +291,7 @@ def load_policy(cfg: GRPOConfig, run_dir: Path, key: Any) -> Policy:
         base_dir = Path(meta["base"])
         tokenizer_dir = Path(meta.get("tokenizer") or base_dir)
     else:
-        base_dir = prepare_base(cfg, run_dir)  # type: ignore[arg-type]  # reads model.* and train.seed
+        base_dir = prepare_base(cfg.model, run_dir, seed=cfg.train.seed, options=base_options)
         lora_cfg, tokenizer_dir = cfg.lora, base_dir
     model_cfg, model = load_hf(base_dir, jnp.dtype(cfg.model.dtype), config_overrides=cfg.model.overrides())
     add_lora(model, lora_cfg, key=key)

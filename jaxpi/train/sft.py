@@ -24,91 +24,23 @@ import hashlib
 import importlib
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, TINY, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
+from jaxpi.train.base import ModelConfig, prepare_base
 from jaxpi.train.schedule import OptimConfig
 
-TINY_RANDOM = "tiny-random"
-TOY_RANDOM = "toy-random"  # tiny-random reshaped so a LoRA can learn the toy environment (make_toy_base)
-TOY_COPY = "toy-copy"  # toy-random pre-trained (all weights) to copy in the toy environment (make_copy_base)
 DEMO_SESSIONS = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "sessions")
 TINY_TOKENIZER = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer")
 
 
 # ---- config --------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    # HF checkpoint directory, or "tiny-random" / "toy-random" (written into the run dir)
-    base: str = TINY_RANDOM
-    dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
-    remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp | mlp_out
-    tiny_layers: int = 4  # depth of the "tiny-random" base
-    gdn_impl: str = "jax"  # QwenConfig.gdn_impl: the chunked gated delta rule, one of GDN_IMPLS
-    # QwenConfig.gdn_kernel: the Pallas paths' kernel settings, e.g. "block_v=16,num_stages=2"
-    gdn_kernel: str = ""
-    norm_impl: str = "jax"  # QwenConfig.norm_impl: RMSNorm and gated RMSNorm, "jax" | "pallas"
-    attn_impl: str = "jax"  # QwenConfig.attn_impl: causal self-attention, "jax" | "pallas" (flash)
-    # QwenConfig.attn_kernel: the flash attention's settings, e.g. "block_q=32,block_k=32"
-    attn_kernel: str = ""
-    # QwenConfig.loss_chunk: the loss runs the LM head this many positions at a time, so the
-    # [B, T, V] logits never exist whole (0 = at once; e.g. 1024 for a 248k vocabulary at long T)
-    loss_chunk: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.base:
-            raise ValueError("model.base must be an HF checkpoint directory or 'tiny-random'")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"model.dtype must be bfloat16 or float32, got {self.dtype!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        if self.tiny_layers < 1:
-            raise ValueError(f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
-        if self.gdn_impl not in GDN_IMPLS:
-            raise ValueError(f"model.gdn_impl must be one of {GDN_IMPLS}, got {self.gdn_impl!r}")
-        try:
-            kernel = parse_gdn_kernel(self.gdn_kernel)
-        except ValueError as e:
-            raise ValueError(f"model.{e}") from None
-        if kernel and not self.gdn_impl.startswith("pallas"):
-            raise ValueError(
-                f"model.gdn_kernel {self.gdn_kernel!r} applies only to gdn_impl pallas / pallas_split"
-            )
-        if self.norm_impl not in ("jax", "pallas"):
-            raise ValueError(f"model.norm_impl must be jax or pallas, got {self.norm_impl!r}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"model.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
-        try:
-            attn_kernel = parse_attn_kernel(self.attn_kernel)
-        except ValueError as e:
-            raise ValueError(f"model.{e}") from None
-        if attn_kernel and self.attn_impl != "pallas":
-            raise ValueError(f"model.attn_kernel {self.attn_kernel!r} applies only to attn_impl pallas")
-        if self.loss_chunk < 0:
-            raise ValueError(f"model.loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
-
-    def overrides(self) -> dict[str, str | int]:
-        """The runtime knobs of QwenConfig this section sets (for `load_hf(config_overrides=...)`)."""
-        return {
-            "remat": self.remat,
-            "gdn_impl": self.gdn_impl,
-            "gdn_kernel": self.gdn_kernel,
-            "norm_impl": self.norm_impl,
-            "attn_impl": self.attn_impl,
-            "attn_kernel": self.attn_kernel,
-            "loss_chunk": self.loss_chunk,
-        }
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # "sessions" (Pi sessions, rendered) | "synthetic" (random-token test data) | "toy_lookup"
@@ -333,44 +265,6 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "to_json"):
         return _jsonable(obj.to_json())
     return str(obj)
-
-
-# ---- base checkpoint -----------------------------------------------------------------------------
-def prepare_base(cfg: SFTConfig, run_dir: Path) -> Path:
-    """The base checkpoint directory; "tiny-random" / "toy-random" write `<run dir>/base` once (a
-    temporary directory renamed into place, so a killed start never leaves a half-written base)."""
-    if cfg.model.base not in (TINY_RANDOM, TOY_RANDOM, TOY_COPY):
-        base = Path(cfg.model.base).absolute()
-        if not (base / "config.json").exists():
-            raise FileNotFoundError(f"model.base {base} has no config.json (expected an HF checkpoint dir)")
-        return base
-    base = run_dir / "base"
-    if (base / "config.json").exists():
-        return base
-    if cfg.model.base == TOY_COPY:
-        from jaxpi.envs.toy_sft import CopyPretrainConfig, make_copy_base
-
-        values = cfg.data.toy_max_value if hasattr(cfg, "data") else cfg.env.max_value  # SFT or GRPO
-        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        return make_copy_base(
-            base,
-            seed=cfg.train.seed,
-            layers=cfg.model.tiny_layers,
-            cfg=CopyPretrainConfig(max_value=values),
-            say=say,
-        )
-    if cfg.model.base == TOY_RANDOM:
-        from jaxpi.envs.toy_sft import make_toy_base
-
-        return make_toy_base(base, seed=cfg.train.seed, layers=cfg.model.tiny_layers)
-    from jaxpi.convert.tiny import make_checkpoint  # torch and transformers, when asked for
-
-    tmp = run_dir / f"base.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model_cfg = TINY.replace(num_hidden_layers=cfg.model.tiny_layers)
-    make_checkpoint(tmp, model_cfg, seed=cfg.train.seed, tokenizer=True)  # the bundled tiny tokenizer
-    os.replace(tmp, base)
-    return base
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -609,7 +503,9 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
             )
     _write_atomic(run_dir / "config.json", json.dumps(config_dict, indent=2))
 
-    base_dir = prepare_base(cfg, run_dir)
+    base_dir = prepare_base(
+        cfg.model, run_dir, seed=cfg.train.seed, options={"max_value": cfg.data.toy_max_value}
+    )
     model_cfg = QwenConfig.from_hf(base_dir).replace(**cfg.model.overrides())
     data = prepare_data(cfg, base_dir, model_cfg.vocab_size)
     _write_atomic(run_dir / "data_report.json", json.dumps(data.report, indent=2))
