@@ -8,6 +8,7 @@ Speed is measured, never asserted: the figures only have to be finite, positive,
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -18,9 +19,11 @@ import pytest
 from flax import nnx
 
 from jaxpi import cli
+from jaxpi.bench import gpu
 from jaxpi.bench.compile import abstract_step
 from jaxpi.bench.config import make_config
 from jaxpi.bench.flops import lora_params, matmul_params, train_step_flops
+from jaxpi.bench.gpu_flags import add_arguments
 from jaxpi.bench.table import format_table
 from jaxpi.config import FULL, LINEAR, TINY
 
@@ -367,22 +370,33 @@ def test_profile_traces_the_real_step(capsys, tmp_path):
     assert sum(v["share"] for v in p["parts"].values()) == pytest.approx(1.0)
 
 
-def _gpu_bench_script():
-    """tools/bench_gpu_27b.py as a module (a script, not part of the package)."""
-    import importlib.util
-    from pathlib import Path
+def _gpu_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_27b.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu_27b", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def test_gpu_bench_flags_and_flop_count(tmp_path):
+    """`jaxpi bench gpu`'s flags parse to the accelerator run's defaults, and its model FLOPs are
+    `jaxpi.bench.flops`' count with the DeltaNet core at chunk 64, whatever chunk the step runs."""
+    args = _gpu_args("--out", str(tmp_path / "r.json"), "--gdn-chunk", "128")
+    assert (args.seq, args.steps, args.rank, args.remat, args.impl) == ([8192], 5, 64, "full", ["jax"])
+    assert (args.matmul_n, args.skip, args.gdn_variants, args.no_torch) == ([8192, 16384], [], None, False)
+    with pytest.raises(SystemExit):
+        _gpu_args("--out", "r.json", "--impl", "triton")
+    cfg = TINY.replace(gdn_chunk_size=args.gdn_chunk)
+    f = gpu.model_flops(cfg, 64, 1, 8)
+    expected = train_step_flops(TINY.replace(gdn_chunk_size=64), seq=64, batch=1, lora_rank=8)
+    assert f == {
+        "frozen_matmul_params": matmul_params(TINY),
+        "lora_params": lora_params(TINY, 8),
+        "total": expected["total"],
+    }
 
 
 def _check_gdn_variants_compute_the_same_rule(variants: tuple[str, ...]) -> None:
-    """The accelerator script's gated-delta variants are the same function as the plain
+    """The accelerator run's gated-delta variants are the same function as the plain
     sequential scan, forward and backward (so its timings compare like with like)."""
-    script = _gpu_bench_script()
     ks = jax.random.split(jax.random.key(0), 5)
     t, h, d = 96, 2, 16
     q, k, v = (jax.random.normal(x, (1, t, h, d)) for x in ks[:3])
@@ -391,7 +405,7 @@ def _check_gdn_variants_compute_the_same_rule(variants: tuple[str, ...]) -> None
     args = (q, k, v, g, beta)
 
     def out_and_grads(spec):
-        fn = script.gdn_variant(spec)
+        fn = gpu.gdn_variant(spec)
         grads = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2, 3, 4))(*args)
         return fn(*args), grads
 
@@ -404,7 +418,7 @@ def _check_gdn_variants_compute_the_same_rule(variants: tuple[str, ...]) -> None
             gerr = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
             assert gerr < 1e-4, (spec, name, gerr)
     with pytest.raises(ValueError, match="impl must be one of"):
-        script.gdn_variant("cuda")(*args)
+        gpu.gdn_variant("cuda")(*args)
 
 
 def test_gpu_bench_gdn_variants_compute_the_same_rule():
@@ -421,15 +435,14 @@ def test_gpu_bench_every_gdn_variant_computes_the_same_rule():
 
 
 @pytest.mark.slow
-def test_gpu_bench_script_runs_on_cpu(tmp_path):
-    """The accelerator script end to end on the tiny config: matmul, gdn variants, step, profile."""
+def test_gpu_bench_runs_on_cpu(tmp_path):
+    """`jaxpi bench gpu` end to end on the tiny config: matmul, gdn variants, step, profile."""
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / "r.json"
     cmd = [
-        sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "bench_gpu_27b.py"),
+        sys.executable, "-m", "jaxpi.cli", "bench", "gpu",
         "--tiny", "--seq", "64", "--steps", "1", "--matmul-n", "128", "--remat", "mlp", "--no-torch",
         "--gdn-variants", "jax", "jax_split2", "pallas_split/tf32/8/4/1", "--profile", "--out", str(out),
     ]  # fmt: skip

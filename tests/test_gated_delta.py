@@ -16,12 +16,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_recurrent_gated_delta_rule,
 )
 
-from jaxpi.kernels.gated_delta import (
-    _unit_lower_inverse,
-    chunk_gated_delta_rule,
-    gated_delta_step,
-    recurrent_gated_delta_rule,
-)
+from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
+from jaxpi.kernels.gdn_chunked import _unit_lower_inverse
 
 jax.config.update("jax_enable_x64", False)
 

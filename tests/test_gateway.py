@@ -25,7 +25,8 @@ from jaxpi.data.render import load_tokenizer
 from jaxpi.gateway import build_samples, read_records, split_stats, start_gateway, think_ids, to_trajectory
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.serve import ServeConfig, start_server
-from jaxpi.serve.httpbase import Handle, JsonHandler
+from jaxpi.serve.handler import JsonHandler
+from jaxpi.serve.httpbase import Handle
 from jaxpi.serve.loading import Loaded
 from jaxpi.testing.scripted import lookup_script, scripted_model
 

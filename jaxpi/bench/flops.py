@@ -23,7 +23,7 @@ Per layer, P is (d = hidden, I = intermediate, heads Hq/Hkv of Dh, DeltaNet Hk/H
     MLP        3·d·I
     LM head    d·V (once)
 
-This is the formula of tools/bench_gpu_27b.py and docs/performance.md, computed from the config
+This is the formula of `jaxpi bench gpu` and docs/performance.md, computed from the config
 alone (no model is built), so it can be checked against a hand count and against XLA's own
 cost analysis (tests/test_bench.py).
 """

@@ -5,7 +5,7 @@ A square `jnp.dot` of side n in the step's dtype, 2·n³ FLOPs per call, timed l
 this run (other load on a shared machine lowers it as much as the step's own figures).
 `kernel_matmul_rate` times a product by its kernels alone, under the profiler: on a GPU the
 wall-clock figure of long runs of products can sit well below what the same device's matmuls
-reach inside a step (tools/bench_gpu_27b.py takes the larger).
+reach inside a step (`jaxpi bench gpu` takes the larger).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from typing import Any
 from jaxpi.gateway.records import RecordStore, valid_attempt
 from jaxpi.gateway.upstream import UpstreamError, check_reply, client_view, post, upstream_body
 from jaxpi.serve.config import GatewayConfig
-from jaxpi.serve.httpbase import Handle, JsonHandler, Server, bearer, same_key, unauthorized
+from jaxpi.serve.handler import JsonHandler, bearer, same_key, unauthorized
+from jaxpi.serve.httpbase import Handle, Server
 from jaxpi.serve.protocol import ApiError, error_body, stream_chunks
 
 ATTEMPT_RULE = "1-128 of [A-Za-z0-9._:@+=-], not starting with a symbol, no '..'"

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from jaxpi.atomic import write_text
 from jaxpi.runner.install import PiInstall, find_pi
 from jaxpi.runner.pi_config import LEVELS, PROVIDER, write_pi_home
 from jaxpi.runner.record import AttemptRecord, read_session_summary
@@ -194,13 +195,6 @@ def _copy_session(home: Path, out_dir: Path) -> Path | None:
     return dst
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _trace_counts(calls: Sequence[dict]) -> tuple[int | None, int | None]:
     """(output tokens, reasoning tokens) summed over the gateway's call records, when they say."""
     out = [c.get("completion_tokens", c.get("output_tokens")) for c in calls]
@@ -250,7 +244,7 @@ def run_attempt(
     finally:
         if own_root:
             shutil.rmtree(base, ignore_errors=True)
-    _write_atomic(out / "record.json", json.dumps(rec.to_json(with_calls=True), indent=2))
+    write_text(out / "record.json", json.dumps(rec.to_json(with_calls=True), indent=2))
     return rec
 
 
@@ -300,8 +294,8 @@ def _run(
         rw_mounts={_HOME: home},
     )
     wall = time.monotonic() - t0
-    _write_atomic(out / "events.jsonl", res.stdout)
-    _write_atomic(out / "pi_stderr.txt", res.stderr)
+    write_text(out / "events.jsonl", res.stdout)
+    write_text(out / "pi_stderr.txt", res.stderr)
     try:
         session, unsafe = _copy_session(home, out), None
     except ValueError as e:  # planted by something in the sandbox: nothing was copied
@@ -361,7 +355,7 @@ def _run(
             "malformed_session", "Pi left no session with an assistant turn", turns, output, reasoning
         )
     ver = run_verifier(task, ws)
-    _write_atomic(
+    write_text(
         out / "verifier.txt", f"exit {ver.returncode}\n--- stdout\n{ver.stdout}\n--- stderr\n{ver.stderr}"
     )
     if ver.killed_reason is not None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxpi.atomic import write_text
+
 PI_PACKAGE = "@mariozechner/pi-coding-agent"
 PI_VERSION = "0.73.1"
 MIN_NODE = (20, 6)
@@ -110,7 +112,5 @@ def pi_setup(
         raise RuntimeError(f"npm install of {PI_PACKAGE}@{PI_VERSION} failed:\n{proc.stderr[-4000:]}")
     if _installed_version(p) != PI_VERSION:
         raise RuntimeError(f"npm reported success but {PI_PACKAGE}@{PI_VERSION} is not under {p}")
-    tmp = stamp.with_suffix(".tmp")
-    tmp.write_text(json.dumps(want))
-    tmp.replace(stamp)
+    write_text(stamp, json.dumps(want))
     return {"prefix": str(p), "version": PI_VERSION, "installed": True, "node": str(node)}

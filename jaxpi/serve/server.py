@@ -21,7 +21,8 @@ from typing import Any
 from jaxpi.serve.batcher import Batcher
 from jaxpi.serve.chat import ChatFormat
 from jaxpi.serve.config import HttpLimits, ServeConfig
-from jaxpi.serve.httpbase import Handle, JsonHandler, Server
+from jaxpi.serve.handler import JsonHandler
+from jaxpi.serve.httpbase import Handle, Server
 from jaxpi.serve.protocol import stream_chunks
 from jaxpi.serve.service import Service
 

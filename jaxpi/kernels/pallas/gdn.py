@@ -5,10 +5,11 @@ kernels are in `gdn_gpu` (Triton, and Pallas' generic interpreter on CPU) and `g
 one chunk's equations in `gdn_chunk`.
 
 `pallas_chunk_gated_delta_rule` has the contract of `gated_delta.chunk_gated_delta_rule` and shares
-all of its plain-JAX preparation: the L2 norm and scale of q/k, the head repeat, padding T to the
-chunk, the segment masks, and the intra-chunk terms U, W, ρe^γ⊙Q, P, ε e^{γ_{C-1}−γ}⊙K and
-ρ_{C-1}e^{γ_{C-1}} (including T = (I + A)⁻¹ by block doubling, see that module's docstring). Those
-are independent per chunk, batched matmuls that XLA already runs well; autodiff differentiates them.
+all of its plain-JAX preparation (`gdn_chunked`): the L2 norm and scale of q/k, the head repeat,
+padding T to the chunk, the segment masks, and the intra-chunk terms U, W, ρe^γ⊙Q, P,
+ε e^{γ_{C-1}−γ}⊙K and ρ_{C-1}e^{γ_{C-1}} (including T = (I + A)⁻¹ by block doubling, see that
+module's docstring). Those are independent per chunk, batched matmuls that XLA already runs well;
+autodiff differentiates them.
 What the kernels replace is the sequential part, the `lax.scan` over chunks, which XLA runs as one
 small-matmul step per chunk with the state round-tripping through memory. Per chunk n, with the
 state S [Dk, Dv] entering it:
@@ -57,7 +58,7 @@ from collections.abc import Callable
 import jax
 from jax.experimental.pallas import triton as plt
 
-from jaxpi.kernels.gated_delta import Recurrence, chunked_gated_delta_rule_with, split_chunk_scan
+from jaxpi.kernels.gdn_chunked import Recurrence, chunked_gated_delta_rule_with, split_chunk_scan
 from jaxpi.kernels.pallas.dispatch import per_platform
 from jaxpi.kernels.pallas.gdn_gpu import gpu_backward, gpu_forward, gpu_recurrence
 from jaxpi.kernels.pallas.gdn_tpu import tpu_backward, tpu_forward, tpu_recurrence
@@ -147,7 +148,7 @@ def _backward(chunks, states, dout, dfinal, opts: KernelOptions):
 
 
 def pallas_recurrence(opts: KernelOptions) -> Recurrence:
-    """`gated_delta.linear_recurrence` as a Pallas kernel (both passes of `split_chunk_scan`)."""
+    """`gdn_chunked.linear_recurrence` as a Pallas kernel (both passes of `split_chunk_scan`)."""
     precision = _PRECISIONS[opts.precision]
     params = plt.CompilerParams(num_warps=opts.num_warps, num_stages=opts.num_stages)
 
@@ -177,7 +178,7 @@ def pallas_recurrence(opts: KernelOptions) -> Recurrence:
 def pallas_chunk_scan(
     chunks: tuple[jax.Array, ...], state: jax.Array, opts: KernelOptions
 ) -> tuple[jax.Array, jax.Array]:
-    """Drop-in for `gated_delta._chunk_scan`: (state [B,H,K,V], out [N,B,H,C,V])."""
+    """Drop-in for `gdn_chunked._chunk_scan`: (state [B,H,K,V], out [N,B,H,C,V])."""
     out, final = _forward(chunks, state, opts, save_states=False)
     return final, out
 
@@ -219,7 +220,7 @@ def pallas_chunk_gated_delta_rule(
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None;
     segment_ids [B, T] or None. `split`: False runs the whole chunk scan in the kernels (this
-    module's docstring); True runs `gated_delta.split_chunk_scan` with its two state recurrences as
+    module's docstring); True runs `gdn_chunked.split_chunk_scan` with its two state recurrences as
     the kernel `pallas_recurrence` (2 matmuls per sequential step, the rest chunk-parallel in XLA).
     The other keywords: see `KernelOptions` (None: its default). Traced under a mesh (an
     activation resolver installed), the whole rule runs per (batch, value head) shard in

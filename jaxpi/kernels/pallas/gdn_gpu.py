@@ -174,7 +174,7 @@ def gpu_backward(
     return (du, *(x.sum(axis=0) for x in (dw, dqr, dp, dkw)), dd, ds0)
 
 
-# ---- the split scan's recurrence (`gated_delta.split_chunk_scan`) -------------------------------
+# ---- the split scan's recurrence (`gdn_chunked.split_chunk_scan`) -------------------------------
 
 
 def _recurrence_kernel(a_ref, b_ref, u_ref, d_ref, *rest, reverse, precision):
@@ -209,7 +209,7 @@ def gpu_recurrence(
     interpret: bool,
     params: plt.CompilerParams,
 ) -> tuple[jax.Array, jax.Array]:
-    """`gated_delta.linear_recurrence` as one program per (batch, head, block of Dv columns)."""
+    """`gdn_chunked.linear_recurrence` as one program per (batch, head, block of Dv columns)."""
     n, bsz, h, _, dv = u.shape
     dk = a.shape[-1]
     state = functools.partial(_spec, block_v=block_v, v_cols=True)

@@ -169,7 +169,7 @@ def tpu_backward(
     return (*grads, dd.sum(axis=(-2, -1)), ds0)  # dd: [N, B, H, K, 1] -> [N, B, H]
 
 
-# ---- the split scan's recurrence (`gated_delta.split_chunk_scan`) -------------------------------
+# ---- the split scan's recurrence (`gdn_chunked.split_chunk_scan`) -------------------------------
 
 
 def _recurrence_kernel(a_ref, b_ref, u_ref, d_ref, *rest, precision):
@@ -209,7 +209,7 @@ def tpu_recurrence(
     precision: jax.lax.Precision,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """`gated_delta.linear_recurrence` with one chunk per grid step and the carry in VMEM."""
+    """`gdn_chunked.linear_recurrence` with one chunk per grid step and the carry in VMEM."""
     n, bsz, h, c, dv = u.shape
     dk = a.shape[-1]
     spec = functools.partial(_chunk_spec, num_chunks=n, reverse=reverse)

@@ -2,7 +2,7 @@
 
 A Pallas call lowers to one custom call (Triton on GPU, Mosaic on TPU) that XLA's SPMD partitioner
 cannot split: it gathers every operand whole onto each device, or refuses. When the model is traced
-under a mesh (a resolver installed by `jaxpi.models.params.activation_sharding`, as
+under a mesh (a resolver installed by `jaxpi.axes.activation_sharding`, as
 `sharding.with_activation_constraints` does), the kernels instead run once per shard, inside
 `jax.shard_map` over the resolver's mesh, manual over all of its axes. Each dimension's spec entry is
 what the resolver splits its logical axis over, cut to the longest prefix of mesh axes that divides
@@ -24,7 +24,7 @@ the kernel's boundary (XLA inserts the all-gather), the shards along it all comp
 sequence, and the model's next `constrain` splits the result again. Correct, at the price of that
 gather and the repeated work; a sequence-parallel recurrence would pass states between shards.
 
-GQA: value head h reads key head h // (Hv / Hk) (`gated_delta._prepare_qk`, transformers'
+GQA: value head h reads key head h // (Hv / Hk) (`gdn_chunked._prepare_qk`, transformers'
 repeat_interleave). Splitting both head axes into the same n contiguous blocks keeps that pairing:
 shard i holds value heads [i·Hv/n, (i+1)·Hv/n) and exactly the key heads they read,
 [i·Hk/n, (i+1)·Hk/n). So q and k are split like v whenever n divides Hk; when it does not (fewer key
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpi.models.params import ActivationResolver, current_resolver
+from jaxpi.axes import ActivationResolver, current_resolver
 
 # The head axes a per-head norm's input [B, T, H, D] carries in the model: attention q and k, the
 # DeltaNet output. Without explicit axes a norm splits H over their mesh axes when all of them agree.
