@@ -5,7 +5,7 @@
     3. export   the last checkpoint → a peft adapter directory
     4. reload   `peft.PeftModel.from_pretrained` on the transformers base; its logits against
                 jaxpi's with the same adapter, on a held-out demo session
-    5. grpo     the toy-scale effort-ordered GRPO result (`jaxpi.rl.toy_result`): SFT that breaks
+    5. grpo     the toy-scale effort-ordered GRPO result (`jaxpi.experiments.toy.result`): SFT that breaks
                 cost ordering, then effort-ordered vs binary GRPO from it, and their table
                 (short: the toy-random base, two updates each; `--full` runs the whole
                 comparison on the toy-copy base, configs/sft/toy.yaml and configs/grpo/toy.yaml)
@@ -16,12 +16,28 @@ Each stage is skipped when its output already exists, so a rerun picks up where 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
+
+from jaxpi.config import TINY, QwenConfig
+from jaxpi.configfile import load_config
+from jaxpi.convert.hf import load_hf
+from jaxpi.experiments.toy.result import run_comparison
+from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.lora.peft import CAUSAL_PREFIX, base_prefix, load_peft
+from jaxpi.parity import run_parity as parity
+from jaxpi.sft.config import SFTConfig
+from jaxpi.sft.data import prepare_data
+from jaxpi.sft.loop import run_sft
+from jaxpi.train.checkpoint import load_adapter
+from jaxpi.train.export import export
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SPARK = "▁▂▃▄▅▆▇█"
@@ -40,14 +56,6 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, Any]:
-    import jax
-    from flax import nnx
-
-    from jaxpi.config import TINY
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.hf_fixtures import make_checkpoint
-    from jaxpi.parity import run_parity as parity
-
     ckpt = root / "tiny-qwen3_5"
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt, TINY.replace(num_hidden_layers=8), kind="conditional", seed=seed)
@@ -60,11 +68,6 @@ def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, An
 
 
 def run_training(root: Path, say: Any, progress: bool) -> dict[str, Any]:
-    import sys
-
-    from jaxpi.configfile import load_config
-    from jaxpi.train.sft import SFTConfig, run_sft
-
     run_dir = root / "sft"
     say(f"[2/5] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir}")
     cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}"])
@@ -79,8 +82,6 @@ def run_training(root: Path, say: Any, progress: bool) -> dict[str, Any]:
 
 
 def run_export(root: Path, say: Any) -> dict[str, Any]:
-    from jaxpi.convert.export_cli import export
-
     adapter = root / "adapter"
     summary = export(root / "sft", adapter, overwrite=True)
     say(
@@ -92,14 +93,9 @@ def run_export(root: Path, say: Any) -> dict[str, Any]:
 
 def run_reload(root: Path, say: Any) -> dict[str, Any]:
     """The exported adapter in peft vs jaxpi on one held-out demo session (first 256 tokens)."""
-    import jax
-    import torch
+    import torch  # torch, transformers and peft only for this stage
     import transformers
     from peft import PeftModel
-
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.convert.peft import CAUSAL_PREFIX, base_prefix, load_peft
-    from jaxpi.train.checkpoint import load_adapter
 
     _, _, meta = load_adapter(root / "sft")
     base, adapter = Path(meta["base"]), root / "adapter"
@@ -138,10 +134,6 @@ def run_reload(root: Path, say: Any) -> dict[str, Any]:
 
 def _held_out_ids(run_dir: Path, base: Path, report: dict[str, Any]) -> np.ndarray:
     """Token ids of the first validation example (or any example), rendered as in training."""
-    from jaxpi.config import QwenConfig
-    from jaxpi.configfile import load_config
-    from jaxpi.train.sft import SFTConfig, prepare_data
-
     cfg = load_config(SFTConfig, run_dir / "config.json")
     data = prepare_data(cfg, base, QwenConfig.from_hf(base).vocab_size)
     example = (data.val or data.train)[0]
@@ -149,10 +141,6 @@ def _held_out_ids(run_dir: Path, base: Path, report: dict[str, Any]) -> np.ndarr
 
 
 def run_grpo_comparison(root: Path, say: Any, progress: bool, full: bool) -> dict[str, Any]:
-    import sys
-
-    from jaxpi.rl.toy_result import run_comparison
-
     say(
         f"[5/5] grpo  effort-ordered vs binary GRPO on the toy lookup environment ({'full' if full else 'short'})"
     )

@@ -2,8 +2,9 @@
 
 The command runs in subprocesses on configs/sft/tiny.yaml with a few overrides (a shared tiny base,
 synthetic 64-token data so each step takes milliseconds, 10 steps): one uninterrupted run, one
-SIGKILLed past its second checkpoint and restarted, one poisoned with NaN, one sharded. JAX's
-persistent compilation cache is shared between them, so only the first pays the full compile.
+SIGKILLed past its second checkpoint and restarted, one whose weights turn NaN before a step, one
+sharded. JAX's persistent compilation cache is shared between them, so only the first pays the
+full compile.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from jaxpi.config import TINY
 from jaxpi.hf_fixtures import seeded_noise
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.sft.data import split_by_session, synthetic_examples
 from jaxpi.train.checkpoint import load_adapter
 from jaxpi.train.metrics import read_jsonl, truncate_jsonl
 from jaxpi.train.schedule import OptimConfig, lr_schedule, make_optimizer
-from jaxpi.train.sft import split_by_session, synthetic_examples
 from jaxpi.train.step import interleave_microbatches, make_train_step, next_token_loss, target_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,12 +156,66 @@ def test_truncate_jsonl(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
 
 
+def test_a_registered_source_feeds_the_trainer(tmp_path):
+    """`data.source` names a source from the registry; an unknown name lists the known ones."""
+    from jaxpi.configfile import load_config
+    from jaxpi.sft.config import DataConfig, SFTConfig
+    from jaxpi.sft.data import _SOURCES, build_data, register_source, source_names
+
+    def rows(request):
+        examples = synthetic_examples(4, request.data.seq_len, request.vocab, request.seed)
+        return examples, {"source": "rows", "base": str(request.base_dir)}
+
+    register_source("rows", rows)
+    try:
+        assert source_names() == ["sessions", "synthetic", "rows", "toy_lookup"]
+        cfg = load_config(SFTConfig, None, ["data.source=rows", "data.seq_len=16", "train.seed=3"])
+        examples, report = build_data(cfg, tmp_path, 512)
+        assert report == {"source": "rows", "base": str(tmp_path)} and len(examples) == 4
+        assert np.array_equal(examples[0]["input_ids"], synthetic_examples(4, 16, 512, 3)[0]["input_ids"])
+    finally:
+        del _SOURCES["rows"]
+    with pytest.raises(
+        ValueError, match=r"data\.source must be 'sessions', 'synthetic' or 'toy_lookup', got 'rows'"
+    ):
+        DataConfig(source="rows")
+
+
 # ---- the command ----------------------------------------------------------------------------------
 HOOK = """
 import json, os
 def record(ckpt_dir, step):
     with open(os.environ["HOOK_LOG"], "a") as f:
         f.write(json.dumps({"dir": ckpt_dir, "step": step}) + "\\n")
+"""
+
+
+# `python -m nan_weights sft ...`: `jaxpi sft` whose weights are made NaN just before the fifth
+# train step, so the real compiled step computes a NaN loss there (and nothing else changes).
+NAN_WEIGHTS = """
+import sys
+import jax
+from jaxpi.cli import main
+from jaxpi.sft import loop
+
+build_trainer = loop.build_trainer
+
+def nan_before_step_5(*args, **kwargs):
+    trainer = build_trainer(*args, **kwargs)
+    step, calls = trainer.step, []
+
+    def poisoned(params, opt_state, batch, *keys):
+        calls.append(None)
+        if len(calls) == 5:
+            nan = lambda x: x * float("nan") if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
+            params = jax.tree.map(nan, params)
+        return step(params, opt_state, batch, *keys)
+
+    trainer.step = poisoned
+    return trainer
+
+loop.build_trainer = nan_before_step_5
+raise SystemExit(main(sys.argv[1:]))
 """
 
 
@@ -171,6 +226,7 @@ def env(tmp_path_factory):
 
     base = make_checkpoint(root / "base", TINY, seed=0, tokenizer=True)
     (root / "hookmod.py").write_text(HOOK)
+    (root / "nan_weights.py").write_text(NAN_WEIGHTS)
     environ = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(root), str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -181,9 +237,9 @@ def env(tmp_path_factory):
     return SimpleNamespace(root=root, base=base, environ=environ)
 
 
-def command(env, out: Path, *extra: str) -> list[str]:
+def command(env, out: Path, *extra: str, module: str = "jaxpi.cli") -> list[str]:
     return [
-        sys.executable, "-m", "jaxpi.cli", "sft", "--config", str(TINY_YAML), "--json",
+        sys.executable, "-m", module, "sft", "--config", str(TINY_YAML), "--json",
         f"model.base={env.base}", f"output.dir={out}",
         "data.source=synthetic", "data.seq_len=64", "data.batch_size=4", "data.synthetic_examples=48",
         "lora.dropout=0.1", "train.grad_accum=2",  # dropout keys per step and microbatch
@@ -192,9 +248,11 @@ def command(env, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run(env, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    env, out: Path, *extra: str, check: bool = True, module: str = "jaxpi.cli"
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        command(env, out, *extra), env=env.environ, capture_output=True, text=True, timeout=600
+        command(env, out, *extra, module=module), env=env.environ, capture_output=True, text=True, timeout=600
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -289,13 +347,13 @@ def test_resume_after_sigkill_is_exact(env, straight):
 
 def test_nan_stops_and_keeps_the_last_good_checkpoint(env, straight):
     out = env.root / "nan"
-    proc = run(env, out, "train.nan_at_step=5", check=False)
+    proc = run(env, out, check=False, module="nan_weights")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "non-finite loss at step 5" in proc.stderr
     assert "last good checkpoint is step 3" in proc.stderr
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3]
-    # Until step 5 the poison is 0 (the program has one more input, so equal to rounding).
-    np.testing.assert_allclose(losses(out), losses(straight.out)[:4], rtol=1e-6)
+    # The same compiled step on the same inputs until step 5.
+    assert losses(out) == losses(straight.out)[:4]
     # The kept checkpoint is the good one (finite, step 3); rerunning resumes from it (the resume
     # itself is test_resume_after_sigkill_is_exact's).
     adapter, _, meta = load_adapter(out)
@@ -328,7 +386,8 @@ def test_config_errors_are_clear(env):
 def test_session_data_and_report(env):
     """The demo sessions through the gates and the renderer, as the trainer reads them."""
     from jaxpi.configfile import load_config
-    from jaxpi.train.sft import SFTConfig, _report_text, build_data
+    from jaxpi.sft.config import SFTConfig
+    from jaxpi.sft.data import build_data, report_text
 
     cfg = load_config(SFTConfig, TINY_YAML)
     examples, report = build_data(cfg, env.base, TINY.vocab_size)
@@ -344,7 +403,7 @@ def test_session_data_and_report(env):
         examples={"tokens": 1, "supervised_tokens": 1, "truncated": 0, "dropped": 0},
         packing={"efficiency": 0.5}, epoch_steps=1.0,
     )  # fmt: skip
-    assert "verifier_failed=2" in _report_text(report, cfg)
+    assert "verifier_failed=2" in report_text(report, cfg.data.seq_len)
 
 
 @pytest.mark.slow  # the tiny config as shipped: 12 steps of 2 x 3072 tokens, ~1-2 minutes
@@ -371,11 +430,12 @@ def test_resume_refuses_a_different_setup(env, straight):
 
 def test_resume_reads_fields_a_saved_run_predates_as_their_defaults():
     """A run saved before a config field existed resumes when the field keeps its default."""
-    from jaxpi.train.sft import SFTConfig, _check_resume, to_dict
+    from jaxpi.configfile import to_dict
+    from jaxpi.sft.config import SFTConfig, resume_diffs
 
     current = to_dict(SFTConfig())
     saved = to_dict(SFTConfig())
     del saved["model"]["loss_chunk"]
-    assert _check_resume(saved, current) == []
+    assert resume_diffs(saved, current) == []
     current["model"]["loss_chunk"] = 256
-    assert _check_resume(saved, current) == ["model.loss_chunk"]
+    assert resume_diffs(saved, current) == ["model.loss_chunk"]

@@ -4,31 +4,36 @@ copy pre-training of the "toy-copy" base (a few steps here; the learned copy in 
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from test_agent_loop import spans  # the supervised runs of a mask, as the agent-loop tests read them
 
+from jaxpi.config import QwenConfig
 from jaxpi.configfile import load_config
 from jaxpi.data.render import RenderConfig, load_tokenizer
 from jaxpi.data.tiny_tokenizer import ASSETS
 from jaxpi.envs import LookupEnv, make_tasks
-from jaxpi.envs.toy_sft import (
+from jaxpi.experiments.toy import bases
+from jaxpi.experiments.toy.bases import (
     CopyPretrainConfig,
-    ToySFTConfig,
     answer_positions,
-    evaluate_toy,
-    load_run,
     make_copy_base,
     make_toy_base,
-    pick_phrases,
     pretrain_copy,
+)
+from jaxpi.experiments.toy.evaluate import evaluate_toy, load_run, summarize
+from jaxpi.experiments.toy.sessions import (
+    ToySFTConfig,
+    pick_phrases,
     script,
-    summarize,
+    toy_config,
     toy_sessions,
     toy_trajectories,
 )
-from jaxpi.train.sft import DataConfig, SFTConfig, run_sft
+from jaxpi.sft import DataConfig, SFTConfig, run_sft
 
 TOK_DIR = ASSETS / "tiny_tokenizer"
 CONFIG = "configs/sft/toy.yaml"
@@ -150,7 +155,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="toy_lookup"):
         DataConfig(source="toy")
     d = DataConfig(source="toy_lookup", toy_levels=("low", "medium"), toy_reasoning=(30, 40, 10, 20))
-    assert dict(d.toy_config().reasoning) == {"low": (30, 40), "medium": (10, 20)}
+    assert dict(toy_config(d).reasoning) == {"low": (30, 40), "medium": (10, 20)}
 
 
 def test_summarize_scripted_sessions(trajs):
@@ -178,7 +183,7 @@ def test_script_text():
 def test_toy_base_scales_head_attention_gains_and_decay(tmp_path):
     from safetensors.numpy import load_file
 
-    from jaxpi.config import TINY, QwenConfig
+    from jaxpi.config import TINY
     from jaxpi.hf_fixtures import make_checkpoint
 
     base = make_toy_base(tmp_path / "base", seed=3, layers=4, attention_every=2, head_scale=4.0, qk_gain=2.0)
@@ -200,7 +205,11 @@ def test_toy_base_scales_head_attention_gains_and_decay(tmp_path):
             assert np.all(np.exp(b[name]) >= 0.5 - 1e-6), name
             continue
         np.testing.assert_allclose(a[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
-    assert (base / "tokenizer.json").exists() and not list(tmp_path.glob("*.tmp-*"))
+    # written atomically: nothing but the two checkpoints is left beside them
+    assert (base / "tokenizer.json").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "base",
+        "plain",
+    ]
     with pytest.raises(ValueError, match="attention_every"):
         make_toy_base(tmp_path / "bad", attention_every=0)
 
@@ -268,7 +277,7 @@ def test_copy_pretrain_config_and_answer_positions(tok):
         answer_positions([{**ex[0], "loss_mask": np.zeros_like(ex[0]["loss_mask"])}], end)
 
 
-def test_copy_pretraining_trains_every_weight_and_writes_a_checkpoint(tmp_path):
+def test_copy_pretraining_trains_every_weight_and_writes_a_checkpoint(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
 
     from jaxpi.convert.hf import load_hf
@@ -286,18 +295,25 @@ def test_copy_pretraining_trains_every_weight_and_writes_a_checkpoint(tmp_path):
     # full-parameter training: the embedding, the head and the layers all move
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight"):
         assert np.max(np.abs(a[name] - b[name])) > 1e-5, name
-    assert (out / "tokenizer.json").exists() and not list(tmp_path.glob("*.tmp-*"))
-    cfg_out, _ = load_hf(out, "float32")
-    assert cfg_out.num_hidden_layers == 2
-    # make_copy_base = make_toy_base + pretrain_copy, with the random base removed afterwards
-    base = make_copy_base(
-        tmp_path / "base", seed=1, layers=2, cfg=dataclasses.replace(cfg, steps=1, warmup=0)
-    )
-    assert (base / "pretrain.json").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
-        "base",
+    assert (out / "tokenizer.json").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "copy",
         "random",
     ]
+    cfg_out, _ = load_hf(out, "float32")
+    assert cfg_out.num_hidden_layers == 2
+    # make_copy_base = make_toy_base + pretrain_copy (the training just checked; here a copy, so
+    # nothing compiles twice), with the random base removed afterwards
+    seen = []
+
+    def copy_only(random_dir, out_dir, cfg, *, say=None):
+        seen.append((QwenConfig.from_hf(random_dir).num_hidden_layers, cfg))
+        shutil.copytree(random_dir, out_dir)
+        return Path(out_dir)
+
+    monkeypatch.setattr(bases, "pretrain_copy", copy_only)
+    base = make_copy_base(tmp_path / "base", seed=1, layers=2, cfg=cfg)
+    assert seen == [(2, dataclasses.replace(cfg, seed=1))] and (base / "tokenizer.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "copy", "random"]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Training: pure loss and step functions, their sharded jit, the LoRA SFT trainer (`jaxpi.train.sft`)."""
+"""Training: pure loss and step functions, their sharded jit, the base model (`jaxpi.train.base`)."""
 
 from __future__ import annotations
 

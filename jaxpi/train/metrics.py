@@ -9,17 +9,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxpi.atomic import write_text
+
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
     """Keep the records of steps ≤ `last_step` (and drop a torn last line); returns how many were
-    kept. Rewritten through a temporary file and a rename."""
+    kept. Rewritten atomically (`jaxpi.atomic`: a killed rewrite leaves the old file whole)."""
     if not path.exists():
         return 0
     kept = []
@@ -30,9 +31,7 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
             continue  # a line cut short by a kill
         if record.get("step", math.inf) <= last_step:
             kept.append(line)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+    write_text(path, "".join(f"{line}\n" for line in kept))
     return len(kept)
 
 

@@ -4,8 +4,8 @@ against the binary-reward baseline from the same start and seeds.
     1. sft       configs/sft/toy.yaml: the toy-copy base (every weight pre-trained to copy the
                  number from the observation into the answer, ~3 min), then LoRA SFT on scripted
                  unkeyed LookupEnv sessions in which low effort reasons longer than medium on
-                 average (jaxpi.envs.toy_sft), so the tiny model starts at T_L/T_M > 1 with pass
-                 rates near 1 where a guess passes 1 time in 10
+                 average (jaxpi.experiments.toy.sessions), so the tiny model starts at
+                 T_L/T_M > 1 with pass rates near 1 where a guess passes 1 time in 10
     2. grpo      configs/grpo/toy.yaml from that adapter, reward.kind=effort_ordered
     3. baseline  the same run with reward.kind=binary (plain GRPO)
     4. table     `jaxpi report` of both: the held-out evaluation before the first update ("start")
@@ -25,7 +25,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from jaxpi.configfile import load_config
+from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.report import build_report
+from jaxpi.rl.trainer import run_grpo
+from jaxpi.sft.config import SFTConfig
+from jaxpi.sft.loop import run_sft
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 GRPO_CONFIG = CONFIGS / "grpo" / "toy.yaml"
 
 # (SFT overrides, GRPO overrides) of the two sizes. The short one skips the toy-copy base's
@@ -58,12 +65,6 @@ def run_comparison(
     out: Any = None,
 ) -> dict[str, Any]:
     """Run (or resume) the three stages under `root`; returns the report (table included)."""
-    from jaxpi.configfile import load_config
-    from jaxpi.rl.config import GRPOConfig
-    from jaxpi.rl.report import build_report
-    from jaxpi.rl.trainer import run_grpo
-    from jaxpi.train.sft import SFTConfig, run_sft
-
     out = out or sys.stdout
     root = Path(root).absolute()
     sft_base, grpo_base = FULL if full else SHORT
