@@ -119,3 +119,33 @@ def test_bad_input_exits_2_and_names_the_command(capsys):
     assert "jaxpi serve: error: max_batch must be >= 1" in capsys.readouterr().err
     assert main(["gateway", "--upstream", "127.0.0.1:8000"]) == 2
     assert "jaxpi gateway: error: upstream must be an http" in capsys.readouterr().err
+
+
+def test_config_commands_take_a_preset_then_flags_then_overrides(capsys):
+    """serve, gateway, eval, select, plan, bench, vllm and pi: `--config FILE_OR_NAME` (a bare NAME
+    is configs/<group>/NAME.yaml), the flags, trailing key.sub=value; --help ends with the keys."""
+    for argv in (
+        ["serve"],
+        ["gateway"],
+        ["eval"],
+        ["select"],
+        ["plan"],
+        ["bench", "gdn"],
+        ["bench", "serve"],
+        ["vllm", "serve"],
+        ["vllm", "setup"],
+        ["pi", "run"],
+        ["pi", "setup"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and "--config FILE_OR_NAME" in out, argv
+        assert "\nconfig keys (--config FILE, then the flags given, then key.sub=value" in out, argv
+    # The file's value, a flag over it, an override over both; errors name the file and the key.
+    assert main(["serve", "--config", "default", "--model", "m", "--max-batch", "0"]) == 2
+    assert "serve/default.yaml: max_batch must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--model", "m", "--max-batch", "0", "max_batch=3", "max_len=1"]) == 2
+    assert "jaxpi serve: error: max_len must be >= 2, got 1" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--config", "default", "mesh=fsdp=2", "remat=al"]) == 2
+    assert "remat 'al' is not one of" in capsys.readouterr().err

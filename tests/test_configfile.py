@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxpi.configfile import ConfigError, field_names, load_config, to_dict
-from jaxpi.train.sft import SFTConfig
+from jaxpi.sft.config import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,6 +47,7 @@ _UPCASTING = (
     "jaxpi.kernels.attention",
     "jaxpi.kernels.conv",
     "jaxpi.kernels.gated_delta",
+    "jaxpi.kernels.gdn_chunked",
     "jaxpi.kernels.norms",
     "jaxpi.lora.adapters",
     "jaxpi.models.layers",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxpi.config import TINY, QwenConfig
+from jaxpi.config import GDN_IMPLS, REMAT_POLICIES, TINY, QwenConfig
 
 # `mid`: the CPU benchmark of docs/performance.md. Hidden 1024 and 8 layers (6 DeltaNet + 2
 # attention), every head dimension the 27B's DeltaNet uses (128), vocabulary 32k: big enough that
@@ -178,3 +178,182 @@ def make_config(
         peak_n=p_peak if peak_n is None else peak_n,
         **fields,  # type: ignore[arg-type]
     )
+
+
+# ---- what `jaxpi bench SUBCOMMAND` is asked ------------------------------------------------------
+VS = ("torch", "none")
+KERNELS = ("jax", "pallas")
+
+
+def _ints(name: str, text: str) -> list[str]:
+    """The errors of a comma list of positive integers (as `jaxpi.bench.run.parse_ints` reads it)."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        return [f"{name} must be comma-separated integers, got {text!r}"]
+    return [] if values and min(values) >= 1 else [f"{name} must list integers >= 1, got {text!r}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRunConfig:
+    """One `jaxpi bench train-step` (and what every model benchmark shares): a preset, the fields
+    it overrides (None keeps the preset's), how often to time, and where the report goes."""
+
+    preset: str = "tiny"  # starting config: tiny (tests) or mid (docs/performance.md)
+    hidden: int | None = None  # hidden size
+    layers: int | None = None  # model depth
+    intermediate: int | None = None  # MLP width
+    vocab: int | None = None  # vocabulary size
+    seq: int | None = None  # tokens per row
+    batch: int | None = None  # rows per step
+    dtype: str = "float32"  # float32 or bfloat16
+    lora_rank: int | None = None  # LoRA rank on every linear layer
+    remat: str | None = None  # the model's remat policy (one of REMAT_POLICIES); None: the preset's
+    # the model's kernel path for the gated delta rule, the norms and the causal attention: jax or
+    # pallas (interpreted on CPU); None: jax
+    kernels: str | None = None
+    repeats: int = 3  # timed repeats (figures are their median)
+    warmup: int = 1  # untimed calls first (the first compiles)
+    threads: int = 0  # CPU threads for XLA and torch; 0: all this process may use
+    peak_n: int | None = None  # side of the matmul-peak square; None: the preset's
+    seed: int = 0
+    # also run transformers' version: torch or none; None: none for train-step, torch otherwise
+    vs: str | None = None
+    out: str | None = None  # also write the JSON report to this file
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.preset not in PRESETS:
+            errors.append(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            errors.append(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.kernels is not None and self.kernels not in KERNELS:
+            errors.append(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.vs is not None and self.vs not in VS:
+            errors.append(f"vs must be one of {VS}, got {self.vs!r}")
+        errors += self._errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.bench_config()  # the model and timing fields: BenchConfig's own checks
+
+    def _errors(self) -> list[str]:
+        """The checks of a subcommand's own fields."""
+        return []
+
+    def _depth(self) -> int | None:
+        """The model depth this run overrides (None: the preset's)."""
+        return self.layers
+
+    def bench_config(self) -> BenchConfig:
+        """The `BenchConfig` every sub-benchmark reads (threads: what this process may use now)."""
+        return make_config(
+            self.preset,
+            hidden=self.hidden,
+            layers=self._depth(),
+            intermediate=self.intermediate,
+            vocab=self.vocab,
+            remat=self.remat,
+            kernels=self.kernels,
+            seq=self.seq,
+            batch=self.batch,
+            lora_rank=self.lora_rank,
+            peak_n=self.peak_n,
+            dtype=self.dtype,
+            repeats=self.repeats,
+            warmup=self.warmup,
+            threads=default_threads(),
+            seed=self.seed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GdnRunConfig(BenchRunConfig):
+    """`jaxpi bench gdn`: the chunked gated delta rule alone."""
+
+    # jaxpi's DeltaNet kernel: jax (sequential chunk scan), jax_assoc (log-depth), jax_split
+    # (state-only scan + chunk-parallel products), pallas / pallas_split; any but jax also times jax
+    impl: str = "jax"
+
+    def _errors(self) -> list[str]:
+        return [] if self.impl in GDN_IMPLS else [f"impl must be one of {GDN_IMPLS}, got {self.impl!r}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRunConfig(BenchRunConfig):
+    """`jaxpi bench decode`: the embedded engine's decode rate at several batch sizes."""
+
+    batches: str = "1,16"  # decode batch sizes, comma-separated
+    new_tokens: int | None = None  # tokens decoded per request; None: 16 (tiny), 64 (mid)
+    prompt_len: int = 8
+
+    def _errors(self) -> list[str]:
+        errors = _ints("batches", self.batches)
+        if self.new_tokens is not None and self.new_tokens < 1:
+            errors.append(f"new_tokens must be >= 1, got {self.new_tokens}")
+        if self.prompt_len < 1:
+            errors.append(f"prompt_len must be >= 1, got {self.prompt_len}")
+        return errors
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRunConfig(BenchRunConfig):
+    """`jaxpi bench compile`: compile time of the train step at several depths."""
+
+    layers: str = "8,16,64"  # depths to compile, comma-separated
+
+    def _errors(self) -> list[str]:
+        return _ints("layers", self.layers)
+
+    def _depth(self) -> int | None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AllRunConfig(DecodeRunConfig, GdnRunConfig):
+    """`jaxpi bench all`: every benchmark in one run."""
+
+    compile_layers: str = "8,16,64"  # depths of the compile benchmark, comma-separated
+
+    def _errors(self) -> list[str]:
+        return (
+            DecodeRunConfig._errors(self)
+            + GdnRunConfig._errors(self)
+            + _ints("compile_layers", self.compile_layers)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileRunConfig(BenchRunConfig):
+    """`jaxpi bench profile`: the jaxpi train step traced, op time summed by model part."""
+
+    steps: int = 2  # traced steps (after the warm-up)
+    trace_dir: str | None = None  # keep the trace here; None: a temporary directory
+
+    def _errors(self) -> list[str]:
+        return [] if self.steps >= 1 else [f"steps must be >= 1, got {self.steps}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRunConfig:
+    """`jaxpi bench serve`: latency of `jaxpi serve` and the gateway on a tiny scripted checkpoint."""
+
+    out: str | None = None  # where the checkpoint and records go; None: a temporary directory
+    requests: int = 4  # concurrent completions (and engine rows)
+    repeats: int = 5  # timed repeats of each request
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# `jaxpi bench SUBCOMMAND` -> its config class.
+RUN_CONFIGS: dict[str, type] = {
+    "train-step": BenchRunConfig,
+    "gdn": GdnRunConfig,
+    "decode": DecodeRunConfig,
+    "compile": CompileRunConfig,
+    "all": AllRunConfig,
+    "profile": ProfileRunConfig,
+    "serve": ServeRunConfig,
+}

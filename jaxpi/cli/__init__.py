@@ -56,10 +56,6 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
-    if command == "plan":
-        from jaxpi.plan.presets import prepare_plan_process
-
-        prepare_plan_process(argv)
     args = build_parser(command).parse_args(argv)
     if BY_NAME[args.command].compile_cache:
         from jaxpi import compile_cache

@@ -9,6 +9,9 @@
     jaxpi bench all        [same model flags] [--compile-layers 8,16,64] [--vs torch|none]
     jaxpi bench profile    [same model flags] [--steps 2] [--trace-dir DIR]
 
+Each also takes --config NAME (configs/bench/NAME.yaml; bench serve: configs/bench-serve/) and
+trailing key=value overrides of the keys its --help lists (docs/config.md).
+
 The JSON report is one object: `env` (device, versions, threads, date), `config` and `results`,
 one entry per sub-benchmark; every timed figure is {median, min, max, repeats, values}.
 """
@@ -18,51 +21,106 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from jaxpi.bench import serve as serve_bench
-from jaxpi.bench.config import DTYPES, PRESETS, default_threads, make_config
+from jaxpi.bench.config import DTYPES, KERNELS, PRESETS, RUN_CONFIGS, VS, BenchRunConfig
 from jaxpi.bench.run import run
 from jaxpi.bench.table import format_table
+from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
+from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
+from jaxpi.cli.serving import or_none
 from jaxpi.config import GDN_IMPLS, REMAT_POLICIES
 
 
-def _model_flags(p: argparse.ArgumentParser, *, depth_list: bool) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="starting config (default tiny)")
-    p.add_argument("--hidden", type=int, default=None)
-    if depth_list:
-        p.add_argument("--layers", default="8,16,64", help="depths to compile, comma-separated")
-    else:
-        p.add_argument("--layers", type=int, default=None, help="model depth")
-    p.add_argument("--intermediate", type=int, default=None, help="MLP width")
-    p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--remat", choices=list(REMAT_POLICIES), default=None)
-    p.add_argument(
-        "--kernels",
-        choices=["jax", "pallas"],
-        default=None,
-        help="the model's kernel path for the gated delta rule, the norms and the causal attention "
-        "(default jax; pallas is interpreted on CPU)",
+def _model_flags(*, depth_list: bool) -> tuple[Flag, ...]:
+    """The flags every model benchmark shares (`compile` takes a list of depths)."""
+    return (
+        Flag("--preset", "preset", "starting config (default tiny)", choices=sorted(PRESETS)),
+        Flag("--hidden", "hidden"),
+        Flag("--layers", "layers", "depths to compile, comma-separated" if depth_list else "model depth"),
+        Flag("--intermediate", "intermediate", "MLP width"),
+        Flag("--vocab", "vocab"),
+        Flag("--seq", "seq"),
+        Flag("--batch", "batch"),
+        Flag("--dtype", "dtype", choices=DTYPES),
+        Flag("--lora-rank", "lora_rank"),
+        Flag("--remat", "remat", choices=list(REMAT_POLICIES)),
+        Flag(
+            "--kernels",
+            "kernels",
+            "the model's kernel path for the gated delta rule, the norms and the causal attention "
+            "(default jax; pallas is interpreted on CPU)",
+            choices=list(KERNELS),
+        ),
+        Flag("--repeats", "repeats", "timed repeats (figures are their median)"),
+        Flag("--warmup", "warmup", "untimed calls first (the first compiles)"),
+        Flag("--threads", "threads", "CPU threads for XLA and torch (default: all this process may use)"),
+        Flag("--peak-n", "peak_n", "side of the matmul-peak square"),
+        Flag("--seed", "seed"),
+        Flag("--vs", "vs", "also run transformers' version", choices=list(VS)),
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (figures are their median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (the first compiles)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="CPU threads for XLA and torch (default: all this process may use)",
+
+
+DECODE_FLAGS = (
+    Flag("--batches", "batches", "decode batch sizes, comma-separated"),
+    Flag("--new-tokens", "new_tokens", "default: 16 (tiny), 64 (mid)", convert=or_none),
+    Flag("--prompt-len", "prompt_len"),
+)
+GDN_FLAGS = (
+    Flag(
+        "--impl",
+        "impl",
+        "jaxpi's DeltaNet kernel: jax (sequential chunk scan), jax_assoc (log-depth), "
+        "jax_split (state-only scan + chunk-parallel products), pallas / pallas_split (kernels); "
+        "any but jax also times jax",
+        choices=list(GDN_IMPLS),
+    ),
+)
+SUBCOMMANDS = {
+    "train-step": "the LoRA SFT step: tokens/s, FLOP/s, MFU against the measured matmul peak",
+    "gdn": "the chunked gated delta rule alone, fwd and fwd+bwd, against transformers' torch function",
+    "decode": "the embedded engine's decode tokens/s at several batch sizes",
+    "compile": "compile time of the train step at several depths",
+    "all": "every benchmark above in one run",
+    "profile": "trace the jaxpi train step and sum op time by model part (jax.profiler)",
+}
+OUT_FLAG = Flag("--out", "out", "also write the JSON report to this file")
+# Every sub-benchmark's config: its class and flags; the model benchmarks share configs/bench/.
+SPECS = {
+    name: ConfigSpec(
+        RUN_CONFIGS[name],
+        "bench",
+        (
+            *_model_flags(depth_list=name == "compile"),
+            *(DECODE_FLAGS if name in ("decode", "all") else ()),
+            *(GDN_FLAGS if name in ("gdn", "all") else ()),
+            *((Flag("--compile-layers", "compile_layers"),) if name == "all" else ()),
+            *(
+                (
+                    Flag("--steps", "steps", "traced steps (after the warm-up)"),
+                    Flag("--trace-dir", "trace_dir", "keep the trace here (default: a temp dir)"),
+                )
+                if name == "profile"
+                else ()
+            ),
+            OUT_FLAG,
+        ),
     )
-    p.add_argument("--peak-n", type=int, default=None, help="side of the matmul-peak square")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vs", choices=["torch", "none"], default=None, help="also run transformers' version")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    for name in SUBCOMMANDS
+}
+SPECS["serve"] = ConfigSpec(
+    RUN_CONFIGS["serve"],
+    "bench-serve",
+    (
+        Flag("--out", "out", "where the checkpoint and records go (default: a temp dir)"),
+        Flag("--requests", "requests", "concurrent completions (and engine rows)"),
+        Flag("--repeats", "repeats"),
+    ),
+)
 
 
 def add_subparser(sub: Any) -> None:
@@ -74,40 +132,21 @@ def add_subparser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     inner = bench.add_subparsers(dest="bench_command", required=True)
-    specs = {
-        "train-step": "the LoRA SFT step: tokens/s, FLOP/s, MFU against the measured matmul peak",
-        "gdn": "the chunked gated delta rule alone, fwd and fwd+bwd, against transformers' torch function",
-        "decode": "the embedded engine's decode tokens/s at several batch sizes",
-        "compile": "compile time of the train step at several depths",
-        "all": "every benchmark above in one run",
-        "profile": "trace the jaxpi train step and sum op time by model part (jax.profiler)",
-    }
-    for name, text in specs.items():
-        p = inner.add_parser(name, help=text, description=text)
-        _model_flags(p, depth_list=name == "compile")
-        if name in ("decode", "all"):
-            p.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated")
-            p.add_argument("--new-tokens", type=int, default=None, help="default: 16 (tiny), 64 (mid)")
-            p.add_argument("--prompt-len", type=int, default=8)
-        if name in ("gdn", "all"):
-            p.add_argument(
-                "--impl",
-                choices=list(GDN_IMPLS),
-                default="jax",
-                help="jaxpi's DeltaNet kernel: jax (sequential chunk scan), jax_assoc (log-depth), "
-                "jax_split (state-only scan + chunk-parallel products), pallas / pallas_split (kernels); "
-                "any but jax also times jax",
-            )
-        if name == "all":
-            p.add_argument("--compile-layers", default="8,16,64")
-        if name == "profile":
-            p.add_argument("--steps", type=int, default=2, help="traced steps (after the warm-up)")
-            p.add_argument("--trace-dir", default=None, help="keep the trace here (default: a temp dir)")
+    for name, text in SUBCOMMANDS.items():
+        p = add_command_parser(inner, name, help=text, description=text)
+        add_config_arguments(p, SPECS[name])
+        p.add_argument("--json", action="store_true", help="print one JSON object")
         p.set_defaults(fn=cmd_bench)
-    p = inner.add_parser("serve", help=serve_bench.HELP, description=serve_bench.__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    serve_bench.add_arguments(p)
-    p.set_defaults(fn=serve_bench.cmd_serve)
+    p = add_command_parser(
+        inner,
+        "serve",
+        help=serve_bench.HELP,
+        description=serve_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p, SPECS["serve"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_serve)
 
 
 def _limit_threads(n: int) -> None:
@@ -119,33 +158,26 @@ def _limit_threads(n: int) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    command = args.bench_command
-    if args.threads:
-        _limit_threads(args.threads)
-    bench = make_config(
-        args.preset,
-        hidden=args.hidden,
-        layers=None if command == "compile" else args.layers,
-        intermediate=args.intermediate,
-        vocab=args.vocab,
-        remat=args.remat,
-        kernels=args.kernels,
-        seq=args.seq,
-        batch=args.batch,
-        lora_rank=args.lora_rank,
-        peak_n=args.peak_n,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        threads=default_threads(),  # after _limit_threads: what XLA and torch actually get
-        seed=args.seed,
-    )
-    report = run(command, bench, args)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        out = Path(args.out)
+    cfg: BenchRunConfig = build_config(args)
+    if cfg.threads:
+        _limit_threads(cfg.threads)
+    bench = cfg.bench_config()  # after _limit_threads: the threads XLA and torch actually get
+    report = run(args.bench_command, bench, cfg)  # type: ignore[arg-type]  # the sub-benchmark's fields
+    if cfg.out:
+        out = Path(cfg.out)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text + "\n")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(out)
-    print(text if args.json else format_table(report))
+    emit(report, args.json, "" if args.json else format_table(report))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`jaxpi bench serve`: the serving latencies, in a temporary directory unless `out` is set."""
+    cfg = build_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(cfg.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        res = serve_bench.run(out, cfg.requests, cfg.repeats)
+    emit(res, args.json, "\n".join(f"{k:40s} {v}" for k, v in res.items()))
     return 0

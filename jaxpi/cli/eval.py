@@ -5,20 +5,23 @@ checkpoints by it).
         [--endpoint URL] [--out DIR] [--compare RESULTS_OR_CKPT] [--json]
     jaxpi select CKPT_OR_RESULTS... --tasks DIR [--levels ...] [--attempts K] [--out DIR] [--json]
 
-Without --endpoint the command starts `jaxpi serve` on the checkpoint and the recording gateway in
-front of it, and stops both at the end. `--compare` takes a saved evaluation (a directory with
-results.json) or another checkpoint (evaluated the same way first).
+Both take --config NAME (configs/eval/, configs/select/) and trailing key=value overrides of the
+keys their --help lists. Without --endpoint the command starts `jaxpi serve` on the checkpoint and
+the recording gateway in front of it, and stops both at the end. `--compare` takes a saved
+evaluation (a directory with results.json) or another checkpoint (evaluated the same way first).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
+from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
+from jaxpi.eval.config import AttemptsConfig, EvalConfig, SelectConfig
 
 
 def _levels(text: str) -> list[str]:
@@ -31,27 +34,55 @@ def _levels(text: str) -> list[str]:
     return out
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tasks", required=True, help="a task directory or a directory of them")
-    p.add_argument("--levels", type=_levels, default=["low", "medium", "xhigh"], help="e.g. low,medium,xhigh")
-    p.add_argument("--attempts", type=int, default=1, help="attempts per task and level (K)")
-    p.add_argument("--jobs", type=int, default=2, help="attempts at once")
-    p.add_argument("--max-len", type=int, default=8192, help="served context per request (tokens)")
-    p.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per model call")
-    p.add_argument("--wall-seconds", type=float, default=0.0, help="per attempt; 0 = the task's limit")
-    p.add_argument(
-        "--tools", default="", help="Pi's tool allowlist, e.g. bash (default: Pi's read,bash,edit,write)"
-    )
-    p.add_argument(
-        "--temperature", type=float, default=None, help="sampling temperature (default: the server's)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the first call; attempts draw apart from it")
-    p.add_argument("--json", action="store_true", help="no progress bar; print one JSON object")
+COMMON = (
+    Flag("--tasks", "tasks", "a task directory or a directory of them"),
+    Flag("--levels", "levels", "e.g. low,medium,xhigh", type=_levels),
+    Flag("--attempts", "attempts", "attempts per task and level (K)"),
+    Flag("--jobs", "jobs", "attempts at once"),
+    Flag("--max-len", "max_len", "served context per request (tokens)"),
+    Flag("--max-new-tokens", "max_new_tokens", "tokens per model call"),
+    Flag("--wall-seconds", "wall_seconds", "per attempt; 0 = the task's limit"),
+    Flag("--tools", "tools", "Pi's tool allowlist, e.g. bash (default: Pi's read,bash,edit,write)"),
+    Flag("--temperature", "temperature", "sampling temperature (default: the server's)"),
+    Flag("--seed", "seed", "seed of the first call; attempts draw apart from it"),
+)
+EVAL = ConfigSpec(
+    EvalConfig,
+    "eval",
+    (
+        Flag("--model", "model", "checkpoint to serve (HF dir or jaxpi run/checkpoint)"),
+        Flag("--adapter", "adapter", "adapter on top of --model"),
+        Flag("--endpoint", "endpoint", "use a running OpenAI-compatible endpoint instead"),
+        Flag("--model-id", "model_id", "model name sent to --endpoint"),
+        Flag("--api-key", "api_key", "the API key Pi sends to --endpoint (its --api-key)"),
+        Flag("--name", "name", "name in tables and plots (default: the model dir)"),
+        Flag("--out", "out", "output directory (default: runs/eval/<name>)"),
+        Flag("--compare", "compare", "a saved eval (dir/results.json) or a checkpoint"),
+        *COMMON,
+    ),
+)
+SELECT = ConfigSpec(
+    SelectConfig,
+    "select",
+    (
+        Flag(
+            "ckpts",
+            "ckpts",
+            "saved evaluations or checkpoints (key.sub=value items among them set config keys)",
+            nargs="+",
+            metavar="CKPT_OR_RESULTS",
+        ),
+        Flag("--out", "out", "where new evaluations are written"),
+        *COMMON,
+    ),
+)
+JSON_HELP = "no progress bar; print one JSON object"
 
 
 def add_subparser(sub: Any) -> None:
     """Register `jaxpi eval` and `jaxpi select`."""
-    ev = sub.add_parser(
+    ev = add_command_parser(
+        sub,
         "eval",
         help=help_for("eval"),
         description="Runs every task x level x K real Pi attempts (sandboxed, verifier-scored) against the "
@@ -59,80 +90,63 @@ def add_subparser(sub: Any) -> None:
         "tokens (task-bootstrap interval), output tokens, turns, wall time. Saves results.json, table.txt "
         "and frontier.png (pass rate vs reasoning tokens, arrows L->M->X) in --out.",
     )
-    ev.add_argument("--model", default=None, help="checkpoint to serve (HF dir or jaxpi run/checkpoint)")
-    ev.add_argument("--adapter", default=None, help="adapter on top of --model")
-    ev.add_argument("--endpoint", default=None, help="use a running OpenAI-compatible endpoint instead")
-    ev.add_argument("--model-id", default=None, help="model name sent to --endpoint")
-    ev.add_argument("--api-key", default=None, help="the API key Pi sends to --endpoint (its --api-key)")
-    ev.add_argument("--name", default=None, help="name in tables and plots (default: the model dir)")
-    ev.add_argument("--out", default=None, help="output directory (default: runs/eval/<name>)")
-    ev.add_argument("--compare", default=None, help="a saved eval (dir/results.json) or a checkpoint")
-    _common(ev)
+    add_config_arguments(ev, EVAL)
+    ev.add_argument("--json", action="store_true", help=JSON_HELP)
     ev.set_defaults(fn=cmd_eval)
-    se = sub.add_parser(
+    se = add_command_parser(
+        sub,
         "select",
         help=help_for("select"),
         description="Each argument is a saved `jaxpi eval` output (dir with results.json, reused as is) or "
         "a checkpoint (evaluated on --tasks first). Ranked by the pass rate pooled over levels.",
     )
-    se.add_argument("ckpts", nargs="+", metavar="CKPT_OR_RESULTS")
-    se.add_argument("--out", default="runs/select", help="where new evaluations are written")
-    _common(se)
+    add_config_arguments(se, SELECT)
+    se.add_argument("--json", action="store_true", help=JSON_HELP)
     se.set_defaults(fn=cmd_select)
 
 
-def _eval_one(args: argparse.Namespace, model: str | None, adapter: str | None, name: str, out: Path) -> dict:
+def _eval_one(
+    cfg: AttemptsConfig, model: str | None, adapter: str | None, name: str, out: Path, as_json: bool
+) -> dict:
     from jaxpi.eval.endpoint import policy_endpoint
     from jaxpi.eval.run import evaluate
-    from jaxpi.runner.attempt import RunnerConfig
     from jaxpi.tasks.task import load_tasks
 
-    tasks = load_tasks(args.tasks)
+    tasks = load_tasks(cfg.tasks)
     with policy_endpoint(
         model=model,
         adapter=adapter,
-        endpoint=getattr(args, "endpoint", None),
-        model_id=getattr(args, "model_id", None),
-        api_key=getattr(args, "api_key", None),
-        max_len=args.max_len,
-        max_new_tokens=args.max_new_tokens,
+        endpoint=getattr(cfg, "endpoint", None),
+        model_id=getattr(cfg, "model_id", None),
+        api_key=getattr(cfg, "api_key", None),
+        max_len=cfg.max_len,
+        max_new_tokens=cfg.max_new_tokens,
         # As many engine rows as attempts in flight: one engine call serves all their turns.
-        batch=max(1, args.jobs),
+        batch=max(1, cfg.jobs),
     ) as ep:
-        cfg = RunnerConfig(
-            model_id=ep.model_id,
-            context_window=args.max_len,
-            max_tokens_per_call=args.max_new_tokens,
-            wall_seconds=args.wall_seconds,
-            jobs=args.jobs,
-            tools=tuple(t for t in args.tools.split(",") if t),
-            temperature=args.temperature,
-            seed=args.seed,
-        )
-        meta = {"model": model, "adapter": adapter, "tasks_dir": str(args.tasks), "attempts": args.attempts}
+        meta = {"model": model, "adapter": adapter, "tasks_dir": cfg.tasks, "attempts": cfg.attempts}
         return evaluate(
             tasks,
-            args.levels,
-            args.attempts,
+            list(cfg.levels),
+            cfg.attempts,
             ep.url,
             out,
             name=name,
-            runner_cfg=cfg,
+            runner_cfg=cfg.runner(ep.model_id),
             trace=ep.trace,
             key=ep.key,
             meta=meta,
-            progress=not args.json,
+            progress=not as_json,
         )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from jaxpi.eval.run import compare, load_results
 
-    if (args.model is None) == (args.endpoint is None):
-        raise ValueError("give exactly one of --model and --endpoint")
-    name = args.name or Path(args.model or "endpoint").resolve().name
-    out = Path(args.out or f"runs/eval/{name}")
-    res = _eval_one(args, args.model, args.adapter, name, out)
+    cfg: EvalConfig = build_config(args)
+    name = cfg.name or Path(cfg.model or "endpoint").resolve().name
+    out = Path(cfg.out or f"runs/eval/{name}")
+    res = _eval_one(cfg, cfg.model, cfg.adapter, name, out, args.json)
     report: dict[str, Any] = {
         "out": str(out),
         "results": str(out / "results.json"),
@@ -141,28 +155,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "overall": res["overall"],
     }
     text = res["table_text"]
-    if args.compare:
-        cp = Path(args.compare)
+    if cfg.compare:
+        cp = Path(cfg.compare)
         if (cp / "results.json").is_file() or cp.suffix == ".json":
             other = load_results(cp)
         else:
-            other = _eval_one(args, str(cp), None, cp.resolve().name, out / "compare" / cp.resolve().name)
+            other = _eval_one(
+                cfg, str(cp), None, cp.resolve().name, out / "compare" / cp.resolve().name, args.json
+            )
         cmp = compare(res, other, out)
         report["compare"] = {k: v for k, v in cmp.items() if k != "text"}
         text += "\n\n" + cmp["text"]
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(text)
-        print(f"\nresults: {out / 'results.json'}\nplot:    {out / 'frontier.png'}")
+    emit(report, args.json, f"{text}\n\nresults: {out / 'results.json'}\nplot:    {out / 'frontier.png'}")
     return 0
 
 
 def cmd_select(args: argparse.Namespace) -> int:
     from jaxpi.eval.run import load_results, rank
 
+    cfg: SelectConfig = build_config(args)
     results = []
-    for c in args.ckpts:
+    for c in cfg.ckpts:
         p = Path(c)
         if (p / "results.json").is_file() or (p.is_file() and p.suffix == ".json"):
             results.append(load_results(p))
@@ -170,11 +183,9 @@ def cmd_select(args: argparse.Namespace) -> int:
             name = p.resolve().name
             if not args.json:
                 print(f"evaluating {name} ...", file=sys.stderr, flush=True)
-            results.append(_eval_one(args, str(p), None, name, Path(args.out) / name))
+            results.append(_eval_one(cfg, str(p), None, name, Path(cfg.out) / name, args.json))
     ranking = rank(results)
-    if args.json:
-        print(json.dumps({"ranking": ranking}, indent=2))
-        return 0
+    lines = []
     for i, r in enumerate(ranking, 1):
         pr = r["pass_rate"]
         shown = (
@@ -182,5 +193,6 @@ def cmd_select(args: argparse.Namespace) -> int:
             if pr is None
             else f"{100 * pr['value']:.0f}% [{100 * pr['lo']:.0f}, {100 * pr['hi']:.0f}] (n={pr['n']})"
         )
-        print(f"{i}. {r['name']}: {shown}")
+        lines.append(f"{i}. {r['name']}: {shown}")
+    emit({"ranking": ranking}, args.json, "\n".join(lines))
     return 0

@@ -6,14 +6,42 @@ import argparse
 import os
 from typing import Any
 
+from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
 from jaxpi.cli.registry import help_for
-from jaxpi.cli.serving import add_http_flags, http_fields, serve_until_signal
+from jaxpi.cli.serving import http_flags, keys_from_env, or_none, serve_until_signal
 from jaxpi.serve.config import API_KEY_ENV, UPSTREAM_API_KEY_ENV, GatewayConfig
+
+SPEC = ConfigSpec(
+    GatewayConfig,
+    "gateway",
+    (
+        Flag("--upstream", "upstream", "base URL of vLLM or jaxpi serve, e.g. http://127.0.0.1:8000"),
+        Flag("--host", "host"),
+        Flag("--port", "port", "0 picks a free port"),
+        Flag(
+            "--record-dir",
+            "record_dir",
+            "where <attempt>.jsonl files go (default: a temp dir, removed at exit)",
+        ),
+        Flag("--timeout", "timeout_s", "seconds to wait for upstream (then 504)"),
+        Flag(
+            "--upstream-api-key",
+            "upstream_api_key",
+            "sent upstream as 'Authorization: Bearer KEY' (upstream's --api-key); default $JAXPI_UPSTREAM_API_KEY",
+            convert=or_none,
+        ),
+        *http_flags(
+            key_help="the gateway's key: opens attempts, reads records, may name a call's attempt "
+            "(X-Jaxpi-Attempt); default $JAXPI_API_KEY, else a random one, printed"
+        ),
+    ),
+)
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
     """Register `jaxpi gateway`."""
-    p = sub.add_parser(
+    p = add_command_parser(
+        sub,
         "gateway",
         help=help_for("gateway"),
         description="Forward /v1/chat/completions (streaming or not) upstream with return_token_ids and logprobs, "
@@ -21,27 +49,7 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         "Attempts are opened with the gateway's key (POST /jaxpi/attempts -> a token per attempt, the "
         "client's API key); records are read at GET /jaxpi/attempts/<id>. See docs/serve.md.",
     )
-    p.add_argument(
-        "--upstream", required=True, help="base URL of vLLM or jaxpi serve, e.g. http://127.0.0.1:8000"
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
-    p.add_argument(
-        "--record-dir",
-        default=None,
-        help="where <attempt>.jsonl files go (default: a temp dir, removed at exit)",
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for upstream (then 504)")
-    p.add_argument(
-        "--upstream-api-key",
-        default=None,
-        help="sent upstream as 'Authorization: Bearer KEY' (upstream's --api-key); default $JAXPI_UPSTREAM_API_KEY",
-    )
-    add_http_flags(
-        p,
-        key_help="the gateway's key: opens attempts, reads records, may name a call's attempt "
-        "(X-Jaxpi-Attempt); default $JAXPI_API_KEY, else a random one, printed",
-    )
+    add_config_arguments(p, SPEC)
     p.add_argument(
         "--json",
         action="store_true",
@@ -51,17 +59,11 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def gateway_config(args: argparse.Namespace) -> Any:
-    """The `GatewayConfig` of parsed `jaxpi gateway` arguments."""
-    return GatewayConfig(
-        upstream=args.upstream,
-        host=args.host,
-        port=args.port,
-        record_dir=args.record_dir,
-        timeout_s=args.timeout,
-        upstream_api_key=args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None,
-        **http_fields(args, API_KEY_ENV),
-    )
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The `GatewayConfig` of parsed `jaxpi gateway` arguments; the keys fall back to
+    $JAXPI_API_KEY and $JAXPI_UPSTREAM_API_KEY."""
+    cfg = build_config(args, SPEC)
+    return keys_from_env(cfg, {"api_key": API_KEY_ENV, "upstream_api_key": UPSTREAM_API_KEY_ENV})
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

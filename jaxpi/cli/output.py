@@ -6,6 +6,9 @@ import json
 from typing import Any
 
 
-def emit(obj: Any, as_json: bool, text: str) -> None:
-    """Print `obj` as indented JSON under --json, else `text`."""
-    print(json.dumps(obj, indent=2) if as_json else text)
+def emit(obj: Any, as_json: bool, text: str, *, one_line: bool = False) -> None:
+    """Print `obj` as JSON under --json (indented, or on `one_line` for a reader that waits for
+    that line, as a server's start-up does), else `text`; flushed either way."""
+    if as_json:
+        text = json.dumps(obj) if one_line else json.dumps(obj, indent=2)
+    print(text, flush=True)

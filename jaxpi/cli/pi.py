@@ -4,54 +4,77 @@ sandboxed attempt against a running OpenAI-compatible endpoint, usually the gate
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import sys
 import uuid
 from typing import Any
 
+from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
+from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
+from jaxpi.runner.pi_config import PiRunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupConfig:
+    """`jaxpi pi setup`: where Pi is installed."""
+
+    prefix: str | None = None  # npm prefix; None: $JAXPI_PI_PREFIX, else .tools/pi in the checkout
+    force: bool = False  # reinstall even if the stamp says it is there
+
+
+SETUP = ConfigSpec(
+    SetupConfig,
+    "pi-setup",
+    (
+        Flag("--prefix", "prefix", "npm prefix (default: .tools/pi)"),
+        Flag("--force", "force", "reinstall even if the stamp says it is there"),
+    ),
+)
+RUN = ConfigSpec(
+    PiRunConfig,
+    "pi",
+    (
+        Flag("task", "task", "a task directory"),
+        Flag("--endpoint", "endpoint", "OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1"),
+        Flag("--level", "level", "Pi thinking level (off, minimal, low, medium, high, xhigh)"),
+        Flag("--model-id", "model_id", "model name sent to the endpoint"),
+        Flag("--attempt-id", "attempt_id", "the attempt's id, naming its outputs (default: random)"),
+        Flag(
+            "--api-key",
+            "api_key",
+            "the API key Pi sends: a jaxpi gateway's token for the attempt (POST /jaxpi/attempts), or the "
+            "server's --api-key (default: the attempt id)",
+        ),
+        Flag("--out", "out", "output directory (default: runs/pi/<attempt id>)"),
+        Flag("--wall-seconds", "wall_seconds", "0 = the task's limit"),
+    ),
+)
 
 
 def add_subparser(sub: Any) -> None:
     """Register `jaxpi pi ...` on the top-level subparsers object."""
     pi = sub.add_parser("pi", help=help_for("pi"))
     psub = pi.add_subparsers(dest="pi_command", required=True)
-    st = psub.add_parser(
+    st = add_command_parser(
+        psub,
         "setup",
         help="install @mariozechner/pi-coding-agent (pinned) into .tools/pi (idempotent)",
         description="npm install of the pinned Pi into the project-local prefix ($JAXPI_PI_PREFIX, "
         "else .tools/pi in the checkout). A stamp file makes reruns a no-op; --force reinstalls.",
     )
-    st.add_argument("--prefix", default=None, help="npm prefix (default: .tools/pi)")
-    st.add_argument("--force", action="store_true", help="reinstall even if the stamp says it is there")
+    add_config_arguments(st, SETUP)
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_setup)
-    run = psub.add_parser(
+    run = add_command_parser(
+        psub,
         "run",
         help="one Pi attempt at a task in the sandbox against ENDPOINT, scored by its verifier",
         description="Fresh workspace, isolated Pi config home (models.json -> ENDPOINT, --api-key as its "
         "API key), Pi in the sandbox at --level, then the task's verifier. Writes session.jsonl, "
         "events.jsonl, verifier.txt and record.json into --out.",
     )
-    run.add_argument("task", help="a task directory")
-    run.add_argument(
-        "--endpoint", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1"
-    )
-    run.add_argument(
-        "--level", default="medium", help="Pi thinking level (off, minimal, low, medium, high, xhigh)"
-    )
-    run.add_argument("--model-id", default="policy", help="model name sent to the endpoint")
-    run.add_argument(
-        "--attempt-id", default=None, help="the attempt's id, naming its outputs (default: random)"
-    )
-    run.add_argument(
-        "--api-key",
-        default=None,
-        help="the API key Pi sends: a jaxpi gateway's token for the attempt (POST /jaxpi/attempts), or the "
-        "server's --api-key (default: the attempt id)",
-    )
-    run.add_argument("--out", default=None, help="output directory (default: runs/pi/<attempt id>)")
-    run.add_argument("--wall-seconds", type=float, default=0.0, help="0 = the task's limit")
+    add_config_arguments(run, RUN)
     run.add_argument("--json", action="store_true")
     run.set_defaults(fn=cmd_run)
 
@@ -59,12 +82,10 @@ def add_subparser(sub: Any) -> None:
 def cmd_setup(args: argparse.Namespace) -> int:
     from jaxpi.runner.install import pi_setup
 
-    info = pi_setup(args.prefix, force=args.force, say=lambda line: print(line, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        state = "installed" if info["installed"] else "already installed"
-        print(f"Pi {info['version']} {state} in {info['prefix']} (node {info['node']})")
+    cfg: SetupConfig = build_config(args)
+    info = pi_setup(cfg.prefix, force=cfg.force, say=lambda line: print(line, file=sys.stderr, flush=True))
+    state = "installed" if info["installed"] else "already installed"
+    emit(info, args.json, f"Pi {info['version']} {state} in {info['prefix']} (node {info['node']})")
     return 0
 
 
@@ -72,18 +93,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from jaxpi.runner.attempt import RunnerConfig, run_attempt
     from jaxpi.tasks.task import load_task
 
-    task = load_task(args.task)
-    attempt_id = args.attempt_id or f"pi-{uuid.uuid4().hex[:12]}"
-    out = args.out or f"runs/pi/{attempt_id}"
-    cfg = RunnerConfig(model_id=args.model_id, wall_seconds=args.wall_seconds, jobs=1)
-    key = (lambda _: args.api_key) if args.api_key else None
-    rec = run_attempt(task, args.level, args.endpoint, attempt_id, out_dir=out, cfg=cfg, key=key)
-    if args.json:
-        print(json.dumps(rec.to_json(), indent=2))
-    else:
-        verdict = ("pass" if rec.success else "fail") if rec.admitted else f"not admitted ({rec.reason})"
-        print(
-            f"{task.id} @ {rec.level}: {verdict}; {rec.turns} turns, {rec.output_tokens} output tokens, "
-            f"{rec.wall_seconds:.1f} s{'; ' + rec.detail if rec.detail else ''}\nrecord: {out}/record.json"
-        )
+    cfg: PiRunConfig = build_config(args)
+    task = load_task(cfg.task)
+    attempt_id = cfg.attempt_id or f"pi-{uuid.uuid4().hex[:12]}"
+    out = cfg.out or f"runs/pi/{attempt_id}"
+    runner = RunnerConfig(model_id=cfg.model_id, wall_seconds=cfg.wall_seconds, jobs=1)
+    key = (lambda _: cfg.api_key) if cfg.api_key else None
+    rec = run_attempt(task, cfg.level, cfg.endpoint, attempt_id, out_dir=out, cfg=runner, key=key)
+    verdict = ("pass" if rec.success else "fail") if rec.admitted else f"not admitted ({rec.reason})"
+    text = (
+        f"{task.id} @ {rec.level}: {verdict}; {rec.turns} turns, {rec.output_tokens} output tokens, "
+        f"{rec.wall_seconds:.1f} s{'; ' + rec.detail if rec.detail else ''}\nrecord: {out}/record.json"
+    )
+    emit(rec.to_json(), args.json, text)
     return 0 if rec.admitted else 1

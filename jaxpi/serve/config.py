@@ -71,43 +71,32 @@ def _limits(cfg: ServeConfig | GatewayConfig) -> HttpLimits:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """Settings of one `jaxpi serve` process.
+    """Settings of one `jaxpi serve` process (`jaxpi serve --help` lists them with the flags)."""
 
-    model: a HF checkpoint directory (with a tokenizer, or `tokenizer` given), or a jaxpi SFT/GRPO
-        run / checkpoint directory (base and tokenizer from its metadata, the adapter applied).
-    adapter: an extra adapter on top of `model`: a jaxpi (orbax) checkpoint or a PEFT directory.
-    tokenizer: tokenizer directory when the checkpoint has none (default: the model's own).
-    served_name: the model id clients pass (`model` in requests); None: the directory's name.
-    max_batch: engine rows, the most requests one compiled call decodes together.
-    batch_wait_ms: how long the batcher holds the first request of a batch for others to join.
-    max_len: context limit per request (prompt + completion), tokens.
-    max_new_tokens: default and upper bound of a request's `max_tokens`.
-    prefill_chunks: the engine's prefill chunk sizes (each one compiled program).
-    dtype: weights' dtype ("float32" or "bfloat16").
-    seed: seeds requests that bring none (the server's draw of per-batch seeds).
-    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401),
-        as vLLM's `--api-key`. Never printed (left out of the repr).
-    read_timeout_s, max_request_mb, max_connections, http_workers: the HTTP limits (`HttpLimits`).
-    """
-
+    # a HF checkpoint directory (with a tokenizer, or `tokenizer` given), or a jaxpi SFT/GRPO run
+    # or checkpoint directory (base and tokenizer from its metadata, the adapter applied)
     model: str
+    # an extra adapter on top of `model`: a jaxpi (orbax) checkpoint or a PEFT directory
     adapter: str | None = None
-    tokenizer: str | None = None
-    served_name: str | None = None
+    tokenizer: str | None = None  # tokenizer directory when the checkpoint has none (None: its own)
+    served_name: str | None = None  # the model id clients pass (`model` in requests); None: the dir's name
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch: int = 8
-    batch_wait_ms: float = 5.0
-    max_len: int = 4096
-    max_new_tokens: int = 1024
-    prefill_chunks: tuple[int, ...] = (256, 32, 4, 1)
-    dtype: str = "float32"
-    seed: int = 0
+    port: int = 8000  # 0 picks a free port
+    max_batch: int = 8  # engine rows: the most requests one compiled call decodes together
+    batch_wait_ms: float = 5.0  # how long the batcher holds a batch's first request for others to join
+    max_len: int = 4096  # context limit per request (prompt + completion), tokens
+    # default and upper bound of a request's `max_tokens`; None: min(1024, max_len - 1)
+    max_new_tokens: int | None = None
+    prefill_chunks: tuple[int, ...] = (256, 32, 4, 1)  # the engine's prefill chunk sizes (one program each)
+    dtype: str = "float32"  # the weights' dtype: float32 or bfloat16
+    seed: int = 0  # seeds requests that bring none (the server's draw of per-batch seeds)
+    # when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401), as
+    # vLLM's --api-key; never printed (left out of the repr)
     api_key: str | None = dataclasses.field(default=None, repr=False)
-    read_timeout_s: float = 30.0
-    max_request_mb: float = 64.0
-    max_connections: int = 512
-    http_workers: int = 128
+    read_timeout_s: float = 30.0  # seconds a client has to send a whole request (then 408)
+    max_request_mb: float = 64.0  # the largest request body, MiB (a larger one is 413)
+    max_connections: int = 512  # open connections at most (then 503)
+    http_workers: int = 128  # threads answering complete requests (those still being read hold none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", str(self.model))
@@ -115,6 +104,8 @@ class ServeConfig:
         if errors:
             raise ValueError("; ".join(errors))
         object.__setattr__(self, "prefill_chunks", tuple(int(c) for c in self.prefill_chunks))
+        if self.max_new_tokens is None and isinstance(self.max_len, int):
+            object.__setattr__(self, "max_new_tokens", min(1024, self.max_len - 1))
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.batch_wait_ms < 0:
@@ -144,30 +135,25 @@ class ServeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
-    """Settings of one `jaxpi gateway` process.
+    """Settings of one `jaxpi gateway` process (`jaxpi gateway --help` lists them with the flags)."""
 
-    upstream: base URL of vLLM or `jaxpi serve` (a trailing /v1 is dropped).
-    record_dir: where `<attempt>.jsonl` files go; None: a private temporary directory, removed
-        when the gateway closes (records are never held in memory).
-    timeout_s: how long one upstream call may take (then 504).
-    api_key: the gateway's own key: it creates attempts, reads records and may name the attempt
-        of a call itself (`X-Jaxpi-Attempt`). None: a random key, on the handle (`.api_key`).
-    upstream_api_key: sent upstream as `Authorization: Bearer ...` (vLLM's or jaxpi serve's
-        `--api-key`); the clients' own keys never leave the gateway.
-    read_timeout_s, max_request_mb, max_connections, http_workers: the HTTP limits (`HttpLimits`).
-    """
-
-    upstream: str
+    upstream: str  # base URL of vLLM or `jaxpi serve` (a trailing /v1 is dropped)
     host: str = "127.0.0.1"
-    port: int = 8100
+    port: int = 8100  # 0 picks a free port
+    # where `<attempt>.jsonl` files go; None: a private temporary directory, removed when the
+    # gateway closes (records are never held in memory)
     record_dir: str | None = None
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # how long one upstream call may take (then 504)
+    # the gateway's own key: it creates attempts, reads records and may name the attempt of a call
+    # itself (`X-Jaxpi-Attempt`); None: a random key, on the handle (`.api_key`)
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # sent upstream as `Authorization: Bearer ...` (vLLM's or jaxpi serve's --api-key); the
+    # clients' own keys never leave the gateway
     upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
-    read_timeout_s: float = 30.0
-    max_request_mb: float = 64.0
-    max_connections: int = 512
-    http_workers: int = 128
+    read_timeout_s: float = 30.0  # seconds a client has to send a whole request (then 408)
+    max_request_mb: float = 64.0  # the largest request body, MiB (a larger one is 413)
+    max_connections: int = 512  # open connections at most (then 503)
+    http_workers: int = 128  # threads answering complete requests (those still being read hold none)
 
     def __post_init__(self) -> None:
         if self.record_dir is not None:

@@ -56,20 +56,20 @@ class ServerError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """How to start the server for a model directory."""
+    """How to start the server for a model directory (`jaxpi vllm serve --help` lists the keys)."""
 
-    model: str
+    model: str  # a HF checkpoint directory (with a tokenizer for chat completions)
     host: str = "127.0.0.1"
     port: int = 0  # 0 = a free port
-    max_lora_rank: int = 16
-    max_loras: int = 2
-    max_model_len: int = 2048
+    max_lora_rank: int = 16  # adapters of rank <= this (rounded up to a rank vLLM accepts)
+    max_loras: int = 2  # adapters resident at once
+    max_model_len: int = 2048  # context limit per request, tokens
     kv_cache_bytes: int = 256 * 1024**2  # CPU only
     kind: str = ""  # "cpu" | "cuda"; "" = detect
-    venv: str = ""  # "" = the default cached venv
-    startup_timeout_s: float = 600.0
-    served_name: str = BASE_NAME
-    extra_args: tuple[str, ...] = ()
+    venv: str = ""  # "" = the default cached venv (built if missing)
+    startup_timeout_s: float = 600.0  # seconds to wait for /health
+    served_name: str = BASE_NAME  # the base model's name in requests (adapters are policy-v{N})
+    extra_args: tuple[str, ...] = ()  # more api_server flags, e.g. [--gpu-memory-utilization, "0.5"]
 
     def __post_init__(self) -> None:
         errors = []
