@@ -8,6 +8,8 @@
     jaxpi bench compile    [same model flags] --layers 8,16,64
     jaxpi bench all        [same model flags] [--compile-layers 8,16,64] [--vs torch|none]
     jaxpi bench profile    [same model flags] [--steps 2] [--trace-dir DIR]
+    jaxpi bench gpu        --out FILE [--seq N] [--steps N] [--remat P] [--loss-chunk N] [--skip ...]
+                           (the 27B-shaped run on one accelerator; its own flags, see its --help)
 
 Each also takes --config NAME (configs/bench/NAME.yaml; bench serve: configs/bench-serve/) and
 trailing key=value overrides of the keys its --help lists (docs/config.md).
@@ -25,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jaxpi.atomic import write_text
+from jaxpi.bench import gpu_flags
 from jaxpi.bench import serve as serve_bench
 from jaxpi.bench.config import DTYPES, KERNELS, PRESETS, RUN_CONFIGS, VS, BenchRunConfig
 from jaxpi.bench.run import run
@@ -147,6 +151,15 @@ def add_subparser(sub: Any) -> None:
     add_config_arguments(p, SPECS["serve"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_serve)
+    # The accelerator run keeps flags of its own (a script's, not config keys: jaxpi.bench.gpu_flags).
+    p = inner.add_parser(
+        "gpu",
+        help=gpu_flags.HELP,
+        description=gpu_flags.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gpu_flags.add_arguments(p)
+    p.set_defaults(fn=cmd_gpu)
 
 
 def _limit_threads(n: int) -> None:
@@ -164,10 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = cfg.bench_config()  # after _limit_threads: the threads XLA and torch actually get
     report = run(args.bench_command, bench, cfg)  # type: ignore[arg-type]  # the sub-benchmark's fields
     if cfg.out:
-        out = Path(cfg.out)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(out)
+        write_text(Path(cfg.out), json.dumps(report, indent=2) + "\n")
     emit(report, args.json, "" if args.json else format_table(report))
     return 0
 
@@ -181,3 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         res = serve_bench.run(out, cfg.requests, cfg.repeats)
     emit(res, args.json, "\n".join(f"{k:40s} {v}" for k, v in res.items()))
     return 0
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    """`jaxpi bench gpu`: the 27B-shaped run on one accelerator (`jaxpi.bench.gpu`)."""
+    from jaxpi.bench.gpu import run as run_gpu  # jax, the model, the Pallas kernels: only when it runs
+
+    return run_gpu(args)
