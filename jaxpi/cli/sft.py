@@ -10,8 +10,9 @@ import json
 import sys
 from typing import Any
 
+from jaxpi.cli.config_args import CONFIG_DIR
 from jaxpi.cli.registry import help_for
-from jaxpi.configfile import load_config
+from jaxpi.configfile import add_config_help, load_config, resolve_path
 from jaxpi.sft.config import SFTConfig
 from jaxpi.sft.loop import NonFiniteError, run_sft
 
@@ -26,15 +27,18 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         description="Train a LoRA adapter on admitted Pi sessions. Rerunning the same command resumes from "
         "the latest checkpoint in output.dir. See docs/sft.md for every config field.",
     )
-    p.add_argument("--config", required=True, help="YAML file, e.g. configs/sft/tiny.yaml")
+    p.add_argument(
+        "--config", required=True, help="YAML file, e.g. configs/sft/tiny.yaml, or a NAME of configs/sft/"
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override any config field")
     p.add_argument("--json", action="store_true", help="no progress bar; print a JSON summary at the end")
     p.set_defaults(fn=cmd_sft)
+    add_config_help(p, SFTConfig)
     return p
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    cfg = load_config(SFTConfig, args.config, args.overrides)
+    cfg = load_config(SFTConfig, resolve_path(args.config, CONFIG_DIR / "sft"), args.overrides)
     try:
         summary = run_sft(cfg, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     except NonFiniteError as e:
