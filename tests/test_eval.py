@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from jaxpi.eval.run import compare, load_results, rank, results_object, save_results
-from jaxpi.eval.stats import level_table, overall_pass_rate, paired_difference, table_text
-from jaxpi.rl.report import wilson_interval
+from jaxpi.eval.stats import level_table, overall_pass_rate, table_text
+from jaxpi.stats.intervals import wilson_interval
+from jaxpi.stats.paired import paired_difference
 
 
 def rec(task: str, level: str, success: bool, admitted: bool = True, **kw) -> dict:

@@ -13,17 +13,10 @@ import pytest
 
 from jaxpi.cli import main
 from jaxpi.rl import Attempt, RewardConfig, score_collection
-from jaxpi.rl.report import (
-    Z95,
-    RunAttempt,
-    comparison_table,
-    level_stats,
-    load_run,
-    ordering_ratios,
-    step_series,
-    summarize,
-    wilson_interval,
-)
+from jaxpi.rl.report import comparison_table
+from jaxpi.rl.runs import load_run, step_series, summarize
+from jaxpi.stats.intervals import Z95, wilson_interval
+from jaxpi.stats.levels import RunAttempt, level_stats, ordering_ratios
 
 LEVELS = ("low", "medium", "xhigh")
 
@@ -327,6 +320,30 @@ def test_summarize_steps_split_fallback_and_table(tmp_path):
     )
 
 
+def test_table_bytes_on_fixed_numbers(tmp_path):
+    """The table byte for byte, on attempts whose every resample gives the same means (one token
+    count per level): the layout, the Wilson intervals, the bold violation, the dashes, a pooled
+    train range and its note."""
+    a = []
+    for t in range(3):
+        a.append(att(f"t{t}", "low", 1500, t < 2))
+        a.append(att(f"t{t}", "medium", 1200, True))
+        a.append(att(f"t{t}", "xhigh", 3000, t < 1, admitted=t < 2))
+    run = load_run(write_run(tmp_path / "g", a, name="g"))
+    train = [att("t0", e, 40, True, split="train", step=s) for s in (0, 1) for e in ("low", "medium")]
+    pooled = step_series(load_run(write_run(tmp_path / "t", train, name="binary")), "eval", window=2)[0]
+    table = comparison_table([("start", summarize(run, "eval", "last")), ("binary GRPO", pooled)])
+    assert table.splitlines() == [
+        "|             |        step | tasks |           pass L |           pass M |        pass X |          sched L |          sched M |       sched X |   T L |   T M |   T X |               T_L/T_M |           T_M/T_X |",
+        "|:------------|------------:|------:|-----------------:|-----------------:|--------------:|-----------------:|-----------------:|--------------:|------:|------:|------:|----------------------:|------------------:|",
+        "| start       |           0 |     3 |   66.7% [21, 94] | 100.0% [44, 100] | 50.0% [9, 91] |   66.7% [21, 94] | 100.0% [44, 100] | 33.3% [6, 79] | 1,500 | 1,200 | 3,000 | **1.25 [1.25, 1.25]** | 0.40 [0.40, 0.40] |",
+        "| binary GRPO | 0–1 (train) |     1 | 100.0% [34, 100] | 100.0% [34, 100] |             – | 100.0% [34, 100] | 100.0% [34, 100] |             – |    40 |    40 |     – |     1.00 [1.00, 1.00] |                 – |",
+        "",
+        "L = low, M = medium, X = xhigh. pass: pass rate over admitted attempts [95% Wilson]. sched: admitted successes over scheduled attempts, non-admitted (malformed) ones counted as failures [95% Wilson]. T: mean reasoning tokens per admitted attempt. Ratios: T_lower/T_upper [95% bootstrap over tasks]; bold above 1.00 = ordering violation.",
+        "binary: no eval attempts; train attempts used",
+    ]
+
+
 def test_scheduled_pass_rate_counts_non_admitted_attempts_as_failures(tmp_path, capsys):
     a = [
         *(att(f"t{t}", "xhigh", 500, True, i=0) for t in range(6)),
@@ -431,5 +448,5 @@ def test_cli_help_and_errors(tmp_path, capsys):
 
 
 def test_import_does_not_load_matplotlib():
-    code = "import sys, jaxpi.rl.report; assert 'matplotlib' not in sys.modules"
+    code = "import sys, jaxpi.rl.report, jaxpi.cli.report, jaxpi.stats.plots; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -2,7 +2,8 @@
 size of test_grpo_run.py): the runs, the per-seed numbers against attempts.jsonl, the statistics
 across seeds, the picture, a rerun that skips everything, a rerun with other settings refused,
 and a study killed mid-run whose resumed run repeats the uninterrupted one exactly (same machine,
-config and seed: identical metrics). The statistics and the criteria also on fixed numbers."""
+config and seed: identical metrics). The statistics, the criteria and the tables also on fixed
+numbers."""
 
 import json
 import math
@@ -17,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpi.rl import study
-from jaxpi.rl.report import Estimate
+from jaxpi.experiments.toy import study_config, study_run, study_stats, study_tables
+from jaxpi.stats.intervals import t_interval, t_quantile
 
 SFT = [
     "data.toy_reasoning=[17,40,17,40,17,40]",
@@ -72,21 +73,33 @@ def _children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    """The study, SIGKILLed once seed 0's effort-ordered run has saved its first checkpoint (its
-    runs must die with it), then rerun to the end."""
+    """The study in three commands. First the binary arm of both seeds, one run at a time, so that
+    every program is compiled once and later runs load it from the compilation cache. Then both
+    arms, two runs at a time, SIGKILLed once seed 0's effort-ordered run has saved its first
+    checkpoint (the runs at work must die with it); then the same command again to the end."""
     out = tmp_path_factory.mktemp("study") / "s"
+    first = subprocess.run(
+        command(out, "--seeds", "2", "--arms", "binary", "--jobs", "1"),
+        env=environ(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert first.returncode == 0, first.stderr[-4000:]
     argv = command(out, "--seeds", "2", "--jobs", "2")
     proc = subprocess.Popen(argv, env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run = out / "seed-0" / "effort-ordered"
-    deadline, children = time.time() + 900, set()
+    deadline, children, most = time.time() + 900, set(), 0
     while time.time() < deadline and proc.poll() is None and not (run / "checkpoints" / "1").is_dir():
-        children |= set(_children(proc.pid))
+        now = set(_children(proc.pid))
+        children, most = children | now, max(most, len(now))
         time.sleep(0.05)
     assert proc.poll() is None, "the study ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed = {
         "children": children,
+        "most_at_once": most,
         "alive": [c for c in children if _wait_gone(c)],
         "done_before": not (run / "done.json").exists(),
     }
@@ -121,7 +134,7 @@ def test_study_runs_every_seed_and_arm_and_reports_them(done):
         k = s["seed"]
         # Two processes evaluated the same policy with the same seed before their first update.
         assert s["start_identical"]
-        for arm, name in study.ARMS.items():
+        for arm, name in study_config.ARMS.items():
             run = out / f"seed-{k}" / name
             cfg = json.loads((run / "config.json").read_text())
             assert cfg["train"]["seed"] == k and cfg["reward"]["kind"] == arm
@@ -143,7 +156,7 @@ def test_study_runs_every_seed_and_arm_and_reports_them(done):
     rows = result["summary"]["rows"]
     eo = [s["arms"]["effort_ordered"]["end"]["ordering"]["low/medium"]["value"] for s in seeds]
     bi = [s["arms"]["binary"]["end"]["ordering"]["low/medium"]["value"] for s in seeds]
-    want = study.t_interval(eo)
+    want = t_interval(eo)
     assert rows["effort_ordered low/medium"]["mean"] == pytest.approx(
         {"value": want.value, "lo": want.lo, "hi": want.hi}
     )
@@ -190,7 +203,7 @@ def test_rerun_skips_finished_runs_and_refuses_other_settings(done):
 
 def test_killed_study_left_no_run_behind_and_resumed_it(done):
     out, result, stderr, killed = done
-    assert len(killed["children"]) >= 2, "the study ran fewer than two runs at a time"
+    assert killed["most_at_once"] >= 2, "the study ran fewer than two runs at a time"
     assert not killed["alive"], "a run outlived the killed study"
     assert killed["done_before"], "seed 0's effort-ordered run finished before the kill"
     # The rerun resumed that run from its checkpoint and ran everything left.
@@ -218,18 +231,18 @@ def test_same_seed_same_metrics(done, tmp_path):
 def test_t_quantile_and_interval():
     scipy_t = pytest.importorskip("scipy.stats").t
     for df in (1, 2, 4, 9, 30, 31, 60, 200):
-        assert study.t_quantile(df) == pytest.approx(scipy_t.ppf(0.975, df), abs=2e-4), df
-    e = study.t_interval([1.0, 2.0, 3.0, None, 6.0])
+        assert t_quantile(df) == pytest.approx(scipy_t.ppf(0.975, df), abs=2e-4), df
+    e = t_interval([1.0, 2.0, 3.0, None, 6.0])
     half = scipy_t.ppf(0.975, 3) * np.std([1, 2, 3, 6], ddof=1) / 2
     assert (
         e.value == 3.0
         and e.lo == pytest.approx(3 - half, abs=1e-5)
         and e.hi == pytest.approx(3 + half, abs=1e-5)
     )
-    one = study.t_interval([0.8])
-    assert one.value == 0.8 and math.isnan(one.lo) and study.t_interval([None]) is None
+    one = t_interval([0.8])
+    assert one.value == 0.8 and math.isnan(one.lo) and t_interval([None]) is None
     with pytest.raises(ValueError, match="df"):
-        study.t_quantile(0)
+        t_quantile(0)
 
 
 def _point(lm: float, passes: dict[str, tuple[float, float]]) -> dict:
@@ -273,15 +286,15 @@ def test_start_check_compares_samples_not_the_arms_scores(tmp_path):
         train = {**rec, "split": "train", "reasoning_tokens": 7}
         text = "\n".join(json.dumps(r) for r in ({**rec, **extra}, train))
         (runs[name] / "attempts.jsonl").write_text(text + "\n")
-    assert study._eval_records(runs["eo"], 0) == study._eval_records(runs["bin"], 0)
-    assert study._eval_records(runs["eo"], 0) != study._eval_records(runs["other"], 0)
-    assert len(study._eval_records(runs["eo"], 0)) == 1
+    assert study_stats.eval_records(runs["eo"], 0) == study_stats.eval_records(runs["bin"], 0)
+    assert study_stats.eval_records(runs["eo"], 0) != study_stats.eval_records(runs["other"], 0)
+    assert len(study_stats.eval_records(runs["eo"], 0)) == 1
 
 
 def test_a_resumed_run_counts_the_time_of_every_process(tmp_path, monkeypatch):
     """done.json's seconds: the earlier processes' time (written to logs/ while they ran) plus the
     last one's; a run started afresh ignores a stale record; the record goes once the run is done."""
-    monkeypatch.setattr(study, "ELAPSED_EVERY_S", 0.05)
+    monkeypatch.setattr(study_run, "ELAPSED_EVERY_S", 0.05)
     logs = tmp_path / "logs"
     logs.mkdir()
     sleep = [sys.executable, "-c", "import time; time.sleep(0.4)"]
@@ -290,9 +303,9 @@ def test_a_resumed_run_counts_the_time_of_every_process(tmp_path, monkeypatch):
     fresh.mkdir()  # (the runs make their own directories; these commands do not)
     for name in ("resumed", "fresh"):
         (logs / f"{name}.seconds").write_text(json.dumps({"seconds": 100.0}) + "\n")
-    jobs = [study.Job("resumed", resumed, sleep), study.Job("fresh", fresh, sleep)]
+    jobs = [study_run.Job("resumed", resumed, sleep), study_run.Job("fresh", fresh, sleep)]
     said: list[str] = []
-    state = study.run_jobs(jobs, logs, parallel=2, say=said.append, poll_s=0.01)
+    state = study_run.run_jobs(jobs, logs, parallel=2, say=said.append, poll_s=0.01)
     assert state == {"resumed": "ran", "fresh": "ran"}
     for run, earlier in ((resumed, 100.0), (fresh, 0.0)):
         done = json.loads((run / "done.json").read_text())
@@ -303,9 +316,9 @@ def test_a_resumed_run_counts_the_time_of_every_process(tmp_path, monkeypatch):
 
 
 def test_a_running_job_writes_its_time_so_far(tmp_path, monkeypatch):
-    monkeypatch.setattr(study, "ELAPSED_EVERY_S", 0.05)
+    monkeypatch.setattr(study_run, "ELAPSED_EVERY_S", 0.05)
     logs, run = tmp_path / "logs", tmp_path / "run"
-    job = study.Job("seed-0/x", run, [sys.executable, "-c", "import time; time.sleep(60)"])
+    job = study_run.Job("seed-0/x", run, [sys.executable, "-c", "import time; time.sleep(60)"])
     seen: list[float] = []
 
     def watch(line: str) -> None:  # called when the job starts: poll its record from a thread
@@ -323,7 +336,7 @@ def test_a_running_job_writes_its_time_so_far(tmp_path, monkeypatch):
         threading.Thread(target=poll, daemon=True).start()
 
     with pytest.raises(KeyboardInterrupt):
-        study.run_jobs([job], logs, parallel=1, say=watch, poll_s=0.01)
+        study_run.run_jobs([job], logs, parallel=1, say=watch, poll_s=0.01)
     assert seen and 0 < seen[0] < 20
     assert not (run / "done.json").exists()
 
@@ -335,14 +348,14 @@ def test_picture_leaves_a_gap_where_no_seed_has_a_ratio(tmp_path):
     rows = {"start low/medium": {"mean": None}, "effort_ordered low/medium": {"mean": None}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        image = study.plot_study(seeds, ["effort_ordered"], tmp_path / "ordering.png", rows)
+        image = study_tables.plot_study(seeds, ["effort_ordered"], tmp_path / "ordering.png", rows)
     assert Path(image).stat().st_size > 0
 
 
 def test_criteria_met_and_each_one_failing():
     levels = ("low", "medium", "xhigh")
-    arms = tuple(study.ARMS)
-    crit = lambda seeds: [c["met"] for c in study.aggregate(seeds, arms, levels)["criteria"]]  # noqa: E731
+    arms = tuple(study_config.ARMS)
+    crit = lambda seeds: [c["met"] for c in study_stats.aggregate(seeds, arms, levels)["criteria"]]  # noqa: E731
     assert crit(_seeds([0.8, 0.82, 0.85, 0.8, 1.01], [1.3, 1.2, 1.25, 1.2, 1.3])) == [True] * 4
     # Only 3 of 5 below 1.0 (and the mean's upper bound above it).
     assert crit(_seeds([0.8, 0.85, 1.02, 0.9, 1.05], [1.3] * 5))[:2] == [False, False]
@@ -352,23 +365,60 @@ def test_criteria_met_and_each_one_failing():
     assert crit(_seeds([0.8] * 5, [1.1, 1.0, 1.2, 1.15, 1.1]))[2] is False
     # Seed 0's xhigh pass rate fell below the start's interval (0.9).
     seeds = _seeds([0.8] * 5, [1.3] * 5, xhigh_end=0.85)
-    c = study.aggregate(seeds, arms, levels)["criteria"][3]
+    c = study_stats.aggregate(seeds, arms, levels)["criteria"][3]
     assert c["met"] is False and c["value"] == "seed 0: pass xhigh, sched xhigh"
-    rows = study.aggregate(seeds, arms, levels)["rows"]
+    rows = study_stats.aggregate(seeds, arms, levels)["rows"]
     assert rows["effort_ordered - binary low/medium"]["mean"]["value"] == pytest.approx(-0.5)
     assert rows["effort_ordered - start low/medium"]["mean"]["value"] == pytest.approx(-0.4)
 
 
+def test_tables_bytes_on_fixed_numbers():
+    """The study's tables byte for byte on fixed per-seed numbers: the per-seed ratios and pass
+    rates, the across-seed means with their t-intervals, the paired rows, the notes, the criteria."""
+    levels = ("low", "medium", "xhigh")
+    arms = tuple(study_config.ARMS)
+    seeds = _seeds([0.8, 0.95, 1.1], [1.3, 1.2, 1.25], xhigh_end=0.85)
+    agg = study_stats.aggregate(seeds, arms, levels)
+    assert study_tables.tables(seeds, agg, arms, levels).splitlines() == [
+        "| seed |     start T_L/T_M | effort-ordered T_L/T_M |    binary T_L/T_M | EO − binary |     start T_M/T_X | effort-ordered T_M/T_X |    binary T_M/T_X |",
+        "|:-----|------------------:|-----------------------:|------------------:|------------:|------------------:|-----------------------:|------------------:|",
+        "| 0    | 1.20 [1.20, 1.20] |      0.80 [0.80, 0.80] | 1.30 [1.30, 1.30] |       -0.50 | 0.50 [0.50, 0.50] |      0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] |",
+        "| 1    | 1.20 [1.20, 1.20] |      0.95 [0.95, 0.95] | 1.20 [1.20, 1.20] |       -0.25 | 0.50 [0.50, 0.50] |      0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] |",
+        "| 2    | 1.20 [1.20, 1.20] |      1.10 [1.10, 1.10] | 1.25 [1.25, 1.25] |       -0.15 | 0.50 [0.50, 0.50] |      0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] |",
+        "",
+        "| seed | start pass L/M/X | start sched L/M/X | effort-ordered pass | effort-ordered sched |   binary pass |  binary sched | effort-ordered T L/M/X | binary T L/M/X |",
+        "|:-----|-----------------:|------------------:|--------------------:|---------------------:|--------------:|--------------:|-----------------------:|---------------:|",
+        "| 0    |    98 / 100 / 98 |     98 / 100 / 98 |       98 / 100 / 85 |        98 / 100 / 85 | 98 / 100 / 98 | 98 / 100 / 98 |           32 / 40 / 80 |   52 / 40 / 80 |",
+        "| 1    |    98 / 100 / 98 |     98 / 100 / 98 |       98 / 100 / 97 |        98 / 100 / 97 | 98 / 100 / 98 | 98 / 100 / 98 |           38 / 40 / 80 |   48 / 40 / 80 |",
+        "| 2    |    98 / 100 / 98 |     98 / 100 / 98 |       98 / 100 / 97 |        98 / 100 / 97 | 98 / 100 / 98 | 98 / 100 / 98 |           44 / 40 / 80 |   50 / 40 / 80 |",
+        "",
+        "| across seeds (mean [95% t])      | n |             T_L/T_M |           T_M/T_X |      pass L |         pass M |       pass X |     sched L |        sched M |      sched X |",
+        "|:---------------------------------|--:|--------------------:|------------------:|------------:|---------------:|-------------:|------------:|---------------:|-------------:|",
+        "| start                            | 3 |   1.20 [1.20, 1.20] | 0.50 [0.50, 0.50] | 98 [98, 98] | 100 [100, 100] |  98 [98, 98] | 98 [98, 98] | 100 [100, 100] |  98 [98, 98] |",
+        "| effort-ordered                   | 3 |   0.95 [0.58, 1.32] | 0.50 [0.50, 0.50] | 98 [98, 98] | 100 [100, 100] | 93 [76, 100] | 98 [98, 98] | 100 [100, 100] | 93 [76, 100] |",
+        "| binary                           | 3 |   1.25 [1.13, 1.37] | 0.50 [0.50, 0.50] | 98 [98, 98] | 100 [100, 100] |  98 [98, 98] | 98 [98, 98] | 100 [100, 100] |  98 [98, 98] |",
+        "| effort-ordered − start (paired)  | 3 | -0.25 [-0.62, 0.12] | 0.00 [0.00, 0.00] |             |                |              |             |                |              |",
+        "| binary − start (paired)          | 3 |  0.05 [-0.07, 0.17] | 0.00 [0.00, 0.00] |             |                |              |             |                |              |",
+        "| effort-ordered − binary (paired) | 3 | -0.30 [-0.75, 0.15] | 0.00 [0.00, 0.00] |             |                |              |             |                |              |",
+        "",
+        "Held-out evaluation before the first update (start) and after the last. Per seed: ratios [95% bootstrap over tasks]; pass rates over admitted / scheduled attempts, in % per level (L/M/X). Across seeds: the mean over seeds [95% t-interval, n − 1 degrees of freedom; pass rates clipped to 0-100]; paired rows are the mean of per-seed differences (same start, same seed).",
+        "",
+        "- [ ] effort-ordered ends with T_L/T_M < 1.0 in at least 3 of 3 seeds: 2 of 3",
+        "- [ ] upper 95% bound of effort-ordered's mean T_L/T_M below 1.0: 1.32",
+        "- [x] binary's mean T_L/T_M not below the start's mean: 1.25 vs 1.20",
+        "- [ ] no effort-ordered level's pass rate (admitted, scheduled) below the start's 95% Wilson interval, in any seed: seed 0: pass xhigh, sched xhigh",
+    ]
+
+
 def test_spec_validation():
     with pytest.raises(ValueError, match="distinct"):
-        study.StudySpec(seeds=(0, 0))
+        study_config.StudySpec(seeds=(0, 0))
     with pytest.raises(ValueError, match="arms"):
-        study.StudySpec(seeds=(0,), arms=("ppo",))
+        study_config.StudySpec(seeds=(0,), arms=("ppo",))
     with pytest.raises(ValueError, match=r"output\.dir is set by the study"):
-        study.StudySpec(seeds=(0,), grpo=("output.dir=x",))
+        study_config.StudySpec(seeds=(0,), grpo=("output.dir=x",))
     with pytest.raises(ValueError, match="no SFT overrides"):
-        study.StudySpec(seeds=(0,), sft=("train.steps=3",), starts="/x")
-    assert study.Estimate is Estimate
+        study_config.StudySpec(seeds=(0,), sft=("train.steps=3",), starts="/x")
 
 
 def _report(start: float, eo: tuple[float, float, float], binary: tuple[float, float, float]) -> dict:
@@ -390,7 +440,7 @@ def _report(start: float, eo: tuple[float, float, float], binary: tuple[float, f
 
 
 def test_demo_says_what_its_table_shows_and_what_not():
-    from jaxpi.rl.toy_result import what_it_shows
+    from jaxpi.experiments.toy.result import what_it_shows
 
     # Today's `make demo`: effort-ordered at a violation next to binary's larger one, overlapping.
     short = what_it_shows(_report(1.2, (1.13, 0.85, 1.45), (1.47, 1.1, 1.9)), full=False)
@@ -402,3 +452,14 @@ def test_demo_says_what_its_table_shows_and_what_not():
         "do not overlap, but that is one seed of each arm" in full
         and "cannot tell a method from a seed" in full
     )
+
+
+def test_eval_noise_needs_a_finished_start(tmp_path, capsys):
+    """`--eval-noise` samples a finished SFT start (minutes, not run here): without one it is bad
+    input; its module's imports of the trainer's pieces resolve."""
+    from jaxpi.cli import main
+    from jaxpi.experiments.toy import study_noise
+
+    assert callable(study_noise.eval_noise)
+    assert main(["study", "--out", str(tmp_path), "--eval-noise", "2"]) == 2
+    assert "no finished SFT run to evaluate" in capsys.readouterr().err

@@ -18,16 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxpi import atomic
-from jaxpi.eval.stats import (
-    compare_text,
-    level_table,
-    overall_pass_rate,
-    paired_difference,
-    summary,
-    table_text,
-)
+from jaxpi.eval.stats import compare_text, level_table, overall_pass_rate, summary, table_text
 from jaxpi.runner.attempt import KeyFn, RunnerConfig, TraceFn, run_attempts
 from jaxpi.runner.record import AttemptRecord
+from jaxpi.stats.paired import paired_difference
+from jaxpi.stats.plots import plot_frontier
 from jaxpi.tasks.task import Task
 
 RESULTS = "results.json"
@@ -127,8 +122,6 @@ def results_object(
 
 def save_results(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """results.json, table.txt and frontier.png into `out`."""
-    from jaxpi.rl.report import plot_frontier
-
     paths = {
         "results": write_atomic(out / RESULTS, json.dumps(results, indent=2)),
         "table": write_atomic(out / "table.txt", results["table_text"] + "\n"),
@@ -165,8 +158,6 @@ def compare(a: dict[str, Any], b: dict[str, Any], out: Path | None = None) -> di
     result = {"a": a["name"], "b": b["name"], "levels": levels, "differences": diffs}
     result["text"] = compare_text(diffs, a["name"], b["name"])
     if out is not None:
-        from jaxpi.rl.report import plot_frontier
-
         sa, sb = summary(a["records"], levels, a["name"]), summary(b["records"], levels, b["name"])
         plot_frontier([(sa, sa), (sb, sb)], out / "compare.png")
         write_atomic(out / "compare.json", json.dumps(result, indent=2))

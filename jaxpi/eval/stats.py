@@ -1,17 +1,13 @@
-"""The numbers of an agent evaluation (pure): the per-level table, paired comparisons, rankings.
+"""The numbers of an agent evaluation (pure): the per-level table, the pooled pass rate, the text.
 
 Per effort level, over the attempt records of one checkpoint:
-- pass rate over admitted attempts with its 95% Wilson interval (`jaxpi.rl.report.level_stats`,
+- pass rate over admitted attempts with its 95% Wilson interval (`jaxpi.stats.levels.level_stats`,
   the same numbers `jaxpi report` prints for GRPO runs);
 - mean reasoning tokens per admitted attempt with a 95% cluster-bootstrap interval over tasks;
 - mean output tokens, turns and wall seconds per admitted attempt; the admitted share.
 
-Paired comparison of checkpoints A and B on the same tasks (`paired_difference`): per task the
-difference of pass rates d_t = p_A,t − p_B,t (each over that task's admitted attempts at the
-level), then the mean over tasks present in both, with a 95% percentile interval from a bootstrap
-over tasks (tasks resampled with replacement, fixed seed). Resampling tasks, not attempts, keeps a
-task's attempts together: they share its difficulty. With one attempt per task this is the usual
-paired bootstrap of McNemar's setting; an interval excluding 0 is a difference beyond task noise.
+Two checkpoints on the same tasks are compared by `jaxpi.stats.paired.paired_difference` (a
+bootstrap over tasks of the per-task difference in pass rate); `compare_text` prints it.
 """
 
 from __future__ import annotations
@@ -21,14 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxpi.rl.report import Estimate, LevelStats, Summary, level_stats, ordering_ratios, wilson_interval
-
-N_BOOT = 2000
-SEED = 0
+from jaxpi.stats.intervals import estimate_json, wilson_interval
+from jaxpi.stats.levels import N_BOOT, SEED, LevelStats, Summary, level_stats, ordering_ratios
 
 
 def as_report_attempts(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Attempt records (`AttemptRecord.to_json()`) in the attempts.jsonl shape `jaxpi.rl.report` reads."""
+    """Attempt records (`AttemptRecord.to_json()`) in the attempts.jsonl shape `jaxpi.stats.levels` reads."""
     keys = (
         "task_id",
         "level",
@@ -43,7 +37,7 @@ def as_report_attempts(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
 
 def summary(records: Sequence[dict[str, Any]], levels: Sequence[str], name: str) -> Summary:
-    """A `jaxpi.rl.report.Summary` of one evaluation (what its plots draw)."""
+    """A `jaxpi.stats.levels.Summary` of one evaluation (what its plots draw)."""
     att = as_report_attempts(records)
     return Summary(
         run=name,
@@ -55,10 +49,6 @@ def summary(records: Sequence[dict[str, Any]], levels: Sequence[str], name: str)
         ordering=ordering_ratios(att, levels, n_boot=N_BOOT, seed=SEED),
         tasks=len({r["task_id"] for r in records}),
     )
-
-
-def _est(e: Estimate | None) -> dict[str, float] | None:
-    return None if e is None else {"value": e.value, "lo": e.lo, "hi": e.hi}
 
 
 def level_table(records: Sequence[dict[str, Any]], levels: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -77,8 +67,8 @@ def level_table(records: Sequence[dict[str, Any]], levels: Sequence[str]) -> dic
             "attempts": s.scheduled,
             "admitted": s.admitted,
             "successes": s.successes,
-            "pass_rate": _est(s.pass_rate),
-            "reasoning_tokens": _est(s.reasoning_tokens),
+            "pass_rate": estimate_json(s.pass_rate),
+            "reasoning_tokens": estimate_json(s.reasoning_tokens),
             "output_tokens": s.output_tokens,
             "turns": s.turns,
             "wall_seconds": float(np.mean([r["wall_seconds"] for r in adm])) if adm else None,
@@ -95,39 +85,6 @@ def overall_pass_rate(records: Sequence[dict[str, Any]]) -> dict[str, float] | N
     k = sum(bool(r["success"]) for r in adm)
     lo, hi = wilson_interval(k, len(adm))
     return {"value": k / len(adm), "lo": lo, "hi": hi, "n": len(adm)}
-
-
-def _per_task(records: Sequence[dict[str, Any]], level: str | None) -> dict[str, float]:
-    hits: dict[str, list[bool]] = {}
-    for r in records:
-        if r["admitted"] and (level is None or r["level"] == level):
-            hits.setdefault(r["task_id"], []).append(bool(r["success"]))
-    return {t: float(np.mean(v)) for t, v in hits.items()}
-
-
-def paired_difference(
-    a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]], level: str | None, *, n_boot: int = N_BOOT
-) -> dict[str, Any] | None:
-    """Mean over shared tasks of pass(A) − pass(B) at `level` (None: levels pooled), bootstrap 95%."""
-    pa, pb = _per_task(a, level), _per_task(b, level)
-    tasks = sorted(set(pa) & set(pb))
-    if not tasks:
-        return None
-    d = np.array([pa[t] - pb[t] for t in tasks])
-    rng = np.random.default_rng(SEED)
-    # idx[b, i]: the task drawn i-th in resample b.
-    idx = rng.integers(0, len(tasks), size=(n_boot, len(tasks)))
-    # Fixed seed: a rerun prints the same interval, so two reports differ only where the data does.
-    boots = d[idx].mean(axis=1)
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    per_task = {t: float(x) for t, x in zip(tasks, d, strict=True)}
-    return {
-        "value": float(d.mean()),
-        "lo": float(lo),
-        "hi": float(hi),
-        "tasks": len(tasks),
-        "per_task": per_task,
-    }
 
 
 def _pct(e: dict[str, float] | None) -> str:

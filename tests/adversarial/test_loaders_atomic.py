@@ -186,13 +186,13 @@ def test_export_output_has_the_umask_permissions_and_cleans_leftovers(model, tmp
 
 
 def test_report_files_have_the_umask_permissions(tmp_path, umask):
+    from jaxpi.atomic import write_text  # what jaxpi report writes report.json with
     from jaxpi.eval.run import write_atomic
-    from jaxpi.rl.report import _atomic_write_text
 
     umask(0o022)
     for f in (
         write_atomic(tmp_path / "results.json", "{}"),
-        _atomic_write_text("{}", tmp_path / "report.json"),
+        write_text(tmp_path / "report.json", "{}"),
     ):
         assert _mode(f) == 0o644 and f.read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "results.json"]
