@@ -9,19 +9,11 @@ import pytest
 from jaxpi.configfile import load_config, to_dict
 from jaxpi.envs.agent_loop import Trajectory
 from jaxpi.rl.batch import bucket_length, trajectory_batch
+from jaxpi.rl.collect import attempt_records, collection_attempts, collection_seed, draw_tasks
 from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.metrics import engine_gap_metrics
+from jaxpi.rl.resume import FIXED_ON_RESUME, changed_keys, truncate_attempts, with_later_defaults
 from jaxpi.rl.reward import RewardConfig, score_collection
-from jaxpi.rl.trainer import (
-    FIXED_ON_RESUME,
-    attempt_records,
-    changed_keys,
-    collection_attempts,
-    collection_seed,
-    draw_tasks,
-    engine_gap_metrics,
-    truncate_attempts,
-    with_later_defaults,
-)
 
 
 def traj(ids, mask, logp, *, malformed=False, name="t", task="t", success=False, finish=None):

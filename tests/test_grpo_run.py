@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from jaxpi.configfile import load_config
+from jaxpi.sft import SFTConfig, run_sft
 from jaxpi.train.checkpoint import load_adapter
-from jaxpi.train.sft import SFTConfig, run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIONS = 3

@@ -163,6 +163,25 @@ def test_session_summary_reads_turns_and_names_bad_lines(tmp_path):
         AttemptRecord("a", "t", "low", False, True, "timeout", None, 0, 0, 0, 0.0)
 
 
+def test_attempt_files_get_the_umasks_permissions(tmp_path, monkeypatch):
+    """record.json is written with the mode `open(..., "w")` would give it (0o666 less the umask),
+    not mkstemp's 0600, so another user (a trainer, a reviewer) can read the attempts."""
+    import os
+
+    from jaxpi.runner import attempt
+
+    rec = AttemptRecord("a", "t", LEVEL, False, False, "timeout", None, 0, 0, 0, 0.0)
+    monkeypatch.setattr(attempt, "_run", lambda *a: rec)  # Pi itself is not needed for the write
+    old = os.umask(0o022)
+    try:
+        attempt.run_attempt(None, LEVEL, "http://127.0.0.1:1/v1", "a", out_dir=tmp_path, pi=object())
+    finally:
+        os.umask(old)
+    assert (tmp_path / "record.json").stat().st_mode & 0o777 == 0o644
+    assert json.loads((tmp_path / "record.json").read_text())["reason"] == "timeout"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]  # no temporary left
+
+
 @needs_pi
 def test_pi_setup_is_idempotent():
     from jaxpi.runner.install import pi_setup
@@ -220,7 +239,7 @@ def task(workdir):
 
 @pytest.fixture(scope="module")
 def base(workdir):
-    from jaxpi.envs.toy_sft import make_toy_base
+    from jaxpi.experiments.toy.bases import make_toy_base
 
     # Two layers, the second full attention: the turn after the tool result must see the result.
     return make_toy_base(workdir / "base", seed=0, layers=2, attention_every=2)
@@ -303,7 +322,7 @@ def test_untrained_attempt_records_pis_real_request(untrained):
 def sft_ckpt(workdir, base, untrained):
     """LoRA SFT of the base on one scripted session built from Pi's recorded request."""
     from jaxpi.configfile import load_config
-    from jaxpi.train.sft import SFTConfig, run_sft
+    from jaxpi.sft import SFTConfig, run_sft
 
     req = untrained.calls[0]["request"]
 
@@ -365,9 +384,11 @@ def collected(workdir, task, sft_ckpt):
     from jaxpi.configfile import from_dict
     from jaxpi.data.render import load_tokenizer
     from jaxpi.gateway import build_samples, split_stats, think_ids
-    from jaxpi.rl import trainer
     from jaxpi.rl.config import GRPOConfig
-    from jaxpi.runner.collector import PiCollector, PiEnv, attempt_trajectory, make_pi_env
+    from jaxpi.rl.envs import register_env
+    from jaxpi.rl.pi_env import PiCollector, PiEnv, attempt_trajectory, make_pi_env
+    from jaxpi.rl.policy import load_policy
+    from jaxpi.rl.trainer import run_grpo
 
     overrides = {
         "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
@@ -389,13 +410,12 @@ def collected(workdir, task, sft_ckpt):
     }
     cfg = from_dict(GRPOConfig, overrides)
     attempts_dir = workdir / "collect"
-    trainer.env_entry("pi")  # imports jaxpi.runner.grpo, which registers the real factory
-    trainer.register_env("pi", lambda _: (PiEnv(str(attempts_dir), runner_cfg()), [task], []), PiCollector)
+    register_env("pi", lambda _: (PiEnv(str(attempts_dir), runner_cfg()), [task], []), PiCollector)
     try:
-        summary = trainer.run_grpo(cfg, progress=False, out=sys.stderr)
+        summary = run_grpo(cfg, progress=False, out=sys.stderr)
     finally:
-        trainer.register_env("pi", make_pi_env, PiCollector)
-    pol = trainer.load_policy(cfg, workdir / "grpo", jax.random.key(0))
+        register_env("pi", make_pi_env, PiCollector)
+    pol = load_policy(cfg, workdir / "grpo", jax.random.key(0))
     tok = load_tokenizer(pol.tokenizer_dir)
     recs = []
     for f in sorted(attempts_dir.glob("collection-*/*/record.json")):
@@ -467,8 +487,8 @@ def test_one_grpo_update_consumes_the_attempt(collected, untrained):
     from jaxpi.lora import LoRAParam
     from jaxpi.rl.batch import bucket_length, trajectory_batch
     from jaxpi.rl.loss import make_grpo_loss_fn, sequence_logprobs, trajectory_weights
+    from jaxpi.rl.pi_env import attempt_trajectory
     from jaxpi.rl.reward import score_collection
-    from jaxpi.runner.collector import attempt_trajectory
     from jaxpi.train.schedule import make_optimizer
     from jaxpi.train.step import make_train_step, split_trainable
 
@@ -507,11 +527,8 @@ def test_one_grpo_update_consumes_the_attempt(collected, untrained):
 
 @needs_pi
 def test_grpo_env_pi_is_registered_with_the_trainer():
-    from jaxpi.rl import trainer
+    from jaxpi.rl.envs import env_entry
+    from jaxpi.rl.pi_env import PiCollector, make_pi_env
 
-    if not hasattr(trainer, "env_entry"):
-        pytest.skip("this trainer has no environment registry yet")
-    from jaxpi.runner.collector import PiCollector, make_pi_env
-
-    entry = trainer.env_entry("pi")
+    entry = env_entry("pi")
     assert entry.make is make_pi_env and entry.collector is PiCollector

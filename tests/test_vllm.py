@@ -233,7 +233,9 @@ def test_probe_verdicts_and_staleness_are_pure_functions():
 
 def test_staleness_registry_and_resume_keys():
     from jaxpi.envs.agent_loop import Trajectory
-    from jaxpi.rl.trainer import FIXED_ON_RESUME, admit_fresh, changed_keys, env_entry, register_env
+    from jaxpi.rl.collect import admit_fresh
+    from jaxpi.rl.envs import env_entry, register_env
+    from jaxpi.rl.resume import FIXED_ON_RESUME, changed_keys
 
     def traj(name, malformed=False):
         return Trajectory(name, "low", [1, 2], [0, 1], [0.0, -1.0], 1, 0, 1, 1, "answer", True, malformed)
@@ -243,7 +245,7 @@ def test_staleness_registry_and_resume_keys():
     )
     assert [t.admitted for t in out] == [True, False, False]
     assert "stale: sampled by policy v1, 2 updates old" in out[1].reason and out[2].reason is None
-    # Environments come from a registry; "pi" is provided by the Pi runner's module.
+    # Environments come from a registry (jaxpi.rl.envs: "lookup" and "pi" built in).
     register_env("test-env", lambda cfg: ("env", [1], []))
     assert env_entry("test-env").make(None) == ("env", [1], [])
     with pytest.raises(ValueError, match=r"unknown env\.name"):

@@ -52,7 +52,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "sft",
-        "jaxpi.train.sft",
+        "jaxpi.cli.sft",
         "LoRA SFT on Pi sessions (YAML config + key.sub=value overrides; resumes in output.dir)",
         compile_cache=True,
     ),
@@ -64,18 +64,18 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "report",
-        "jaxpi.rl.report",
+        "jaxpi.cli.report",
         "pictures and a table of GRPO runs: pass rate vs reasoning per effort level, ordering ratios",
     ),
     Command(
         "grpo",
-        "jaxpi.rl.trainer",
+        "jaxpi.cli.grpo",
         "effort-ordered GRPO (or the binary baseline) on an environment; resumes in output.dir",
         compile_cache=True,
     ),
     Command(
         "study",
-        "jaxpi.rl.study",
+        "jaxpi.cli.study",
         "the toy effort-ordering result over K seeds of effort-ordered and binary GRPO, with "
         "intervals across seeds; resumable",
     ),

@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from jaxpi.data.render import RenderConfig
-from jaxpi.envs.base import Environment, Task
+from jaxpi.envs.base import Attempt, Environment, Task
 from jaxpi.envs.toolcalls import ParsedTurn, count_reasoning_tokens, parse_turn
-from jaxpi.rl.reward import Attempt
 from jaxpi.rollout.engine import RolloutEngine, SamplingParams
 
 EndReason = Literal["answer", "malformed", "length", "max_turns", "max_tokens"]

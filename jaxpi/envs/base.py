@@ -12,6 +12,9 @@ An `Environment` is behaviour over a per-attempt state:
 
 Tool errors a real harness would show the model (a missing key, a bad path) are observations,
 not exceptions; calls that do not parse never reach the environment (the loop flags them).
+
+An `Attempt` is what the reward (`jaxpi.rl.reward`) reads of one finished attempt: its outcome and
+reasoning length, whether it was admitted.
 """
 
 from __future__ import annotations
@@ -61,6 +64,28 @@ class Task:
     @property
     def tool_names(self) -> tuple[str, ...]:
         return tuple(t.get("function", t)["name"] for t in self.tools)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One complete session (agent loop or Pi) on a task at an effort level, scored once by the
+    task's verifier.
+
+    `reasoning_tokens` counts tokens inside thinking blocks summed over turns (not answers, tool
+    calls or observations). `output_tokens` and `turns` are optional and only feed the per-level
+    summary. `malformed` marks a non-admitted attempt whose own output broke the format (never a
+    success); `RewardConfig.malformed` decides whether it counts as a failure in its group.
+    """
+
+    task_id: str
+    level: str
+    success: bool
+    reasoning_tokens: int
+    attempt_id: str | None = None
+    admitted: bool = True
+    output_tokens: int | None = None
+    turns: int | None = None
+    malformed: bool = False
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ that takes no argument; the model must call it and copy the number it reads into
     assistant: "7"
 
 A tiny model learns the second copy (observation -> answer) but not the first (instruction ->
-call; jaxpi/envs/toy_sft.py has the measurements), so the unkeyed form is the one whose pass rate
+call; jaxpi/experiments/toy/ has the measurements), so the unkeyed form is the one whose pass rate
 measures a skill the tiny model can have: with values 0-9 a guess passes 10% of the time.
 
 Tasks come from a seed (`make_tasks(n, seed)` is deterministic), instructions and observations

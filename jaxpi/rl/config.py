@@ -19,8 +19,8 @@ from jaxpi.rl.reward import RewardConfig
 from jaxpi.train.base import ModelConfig
 from jaxpi.train.schedule import OptimConfig
 
-# "pi" is provided by the Pi runner (`jaxpi.runner`), which registers it with the trainer
-# (`jaxpi.rl.trainer.register_env`); the config only checks the name.
+# The environments are registered in `jaxpi.rl.envs` ("pi": Pi sessions, `jaxpi.rl.pi_env`); the
+# config only checks the name.
 ENVS = ("lookup", "pi")
 ENGINES = ("jax", "vllm")
 

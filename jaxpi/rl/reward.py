@@ -58,6 +58,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+from jaxpi.envs.base import Attempt
+
 KINDS: tuple[str, ...] = ("effort_ordered", "binary")
 MALFORMED: tuple[str, ...] = ("exclude", "fail")  # what a group does with malformed attempts
 
@@ -75,27 +77,6 @@ PHI: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "exp": _phi_exp,
     "rational": _phi_rational,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Attempt:
-    """One complete Pi session on a task at an effort level, scored once by the task's verifier.
-
-    `reasoning_tokens` counts tokens inside thinking blocks summed over turns (not answers, tool
-    calls or observations). `output_tokens` and `turns` are optional and only feed the per-level
-    summary. `malformed` marks a non-admitted attempt whose own output broke the format (never a
-    success); `RewardConfig.malformed` decides whether it counts as a failure in its group.
-    """
-
-    task_id: str
-    level: str
-    success: bool
-    reasoning_tokens: int
-    attempt_id: str | None = None
-    admitted: bool = True
-    output_tokens: int | None = None
-    turns: int | None = None
-    malformed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

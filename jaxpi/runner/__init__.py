@@ -1,2 +1,2 @@
-"""Pi sessions as rollouts: Pi installed by the project, one sandboxed attempt per (task, level), the
-GRPO collector over them (see docs/pi.md)."""
+"""Pi sessions as rollouts: Pi installed by the project, one sandboxed attempt per (task, level),
+its record (see docs/pi.md). GRPO's collector over them is `jaxpi.rl.pi_env`."""

@@ -1,7 +1,11 @@
-"""GRPO collections from real Pi sessions: `PiCollector.run(tasks, group, seed) -> list[Trajectory]`.
+"""`env.name: pi`: GRPO collections from real Pi sessions, `PiCollector.run(tasks, group, seed) ->
+list[Trajectory]`, and the task pool they run (`make_pi_env`), registered in `jaxpi.rl.envs`.
 
-The trainer's own `Collector` runs the agent loop in-process; this one runs every task × level ×
-group attempt as a sandboxed Pi session (`jaxpi.runner.attempt`) against the trainer's policy:
+    jaxpi grpo --config configs/grpo/tiny.yaml env.name=pi env.tasks_dir=tasks/basic ...
+
+The trainer's own `Collector` (`jaxpi.rl.collect`) runs the agent loop in-process; this one runs
+every task × level × group attempt as a sandboxed Pi session (`jaxpi.runner.attempt`) against the
+trainer's policy:
 
     Pi (sandbox) ──► gateway (records token ids + logprobs per attempt) ──► jaxpi serve on the
                                                                              trainer's JaxEngine
@@ -30,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxpi.envs.agent_loop import Trajectory
+from jaxpi.gateway import build_samples, gateway_in_front, split_stats, think_ids, to_trajectory
+from jaxpi.rl.config import GRPOConfig
 from jaxpi.runner.attempt import RunnerConfig, run_attempts
 from jaxpi.runner.record import AttemptRecord
+from jaxpi.serve import serve_engine
 from jaxpi.tasks.task import Task, load_tasks
 
 
@@ -48,8 +55,6 @@ def load_task_pool(
 
 def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[int, int]) -> Trajectory:
     """One attempt as GRPO's `Trajectory`: the gateway's merged sample, the runner's verdict."""
-    from jaxpi.gateway import build_samples, to_trajectory
-
     ok_calls = [c for c in calls if not c.get("error")]
     samples = build_samples(ok_calls, *think, attempt=rec.attempt_id).samples if ok_calls else ()
     finish = rec.finish if rec.finish in ("answer", "length", "max_turns", "max_tokens") else "answer"
@@ -88,6 +93,14 @@ def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[i
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class PiEnv:
+    """What `env.name: pi` needs beyond the GRPO config: where attempts write, the runner's knobs."""
+
+    out_dir: str = ""  # attempt outputs (sessions, events, verifier); "" = a temp dir
+    runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+
+
 class PiCollector:
     """The trainer's `Collector` interface over sandboxed Pi attempts (see the module docstring).
 
@@ -96,10 +109,7 @@ class PiCollector:
     context, `collect.max_turns/max_tokens` the attempt limits. `env` is the `PiEnv` from `make_pi_env`.
     """
 
-    def __init__(self, cfg: Any, engine: Any, tokenizer: Any, env: Any, render_cfg: Any) -> None:
-        from jaxpi.gateway import gateway_in_front, think_ids
-        from jaxpi.serve import serve_engine
-
+    def __init__(self, cfg: GRPOConfig, engine: Any, tokenizer: Any, env: PiEnv, render_cfg: Any) -> None:
         self.cfg, self.engine, self.env = cfg, engine, env
         self.think = think_ids(tokenizer)
         self.versions: list[int | None] = []
@@ -136,8 +146,6 @@ class PiCollector:
         )
 
     def run(self, tasks: Sequence[Task], group: int, seed: int) -> list[Trajectory]:
-        from jaxpi.gateway import build_samples, split_stats
-
         # Ids are unique across collections: the gateway keys every record by them.
         n = next(self._counter)
         jobs = [
@@ -170,21 +178,12 @@ class PiCollector:
         self._server.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class PiEnv:
-    """What `env.name: pi` needs beyond the GRPO config: where attempts write, the runner's knobs."""
-
-    out_dir: str = ""  # attempt outputs (sessions, events, verifier); "" = a temp dir
-    runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
-
-
-def make_pi_env(cfg: Any) -> tuple[PiEnv, list[Task], list[Task]]:
+def make_pi_env(cfg: GRPOConfig) -> tuple[PiEnv, list[Task], list[Task]]:
     """The trainer's env factory for `env.name: pi`: (PiEnv, task pool, held-out tasks) from
     `env.tasks_dir` (and `env.eval_tasks_dir`, optional)."""
     e = cfg.env
-    tasks_dir = getattr(e, "tasks_dir", "")
-    if not tasks_dir:
+    if not e.tasks_dir:
         raise ValueError("env.name=pi needs env.tasks_dir (a directory of tasks, e.g. tasks/basic)")
-    pool, held = load_task_pool(tasks_dir, getattr(e, "eval_tasks_dir", "") or None)
+    pool, held = load_task_pool(e.tasks_dir, e.eval_tasks_dir or None)
     out_dir = str(Path(cfg.output.dir) / "pi_attempts")
-    return PiEnv(out_dir=out_dir, runner=RunnerConfig(jobs=getattr(e, "jobs", 2))), pool, held
+    return PiEnv(out_dir=out_dir, runner=RunnerConfig(jobs=e.jobs)), pool, held
