@@ -381,12 +381,14 @@ class _Deferred:
         return part in str(self)
 
 
-def add_config_help(parser: argparse.ArgumentParser, cls: type, **kwargs: Any) -> None:
+def add_config_help(parser: argparse.ArgumentParser, cls: type | Callable[[], type], **kwargs: Any) -> None:
     """End `parser`'s --help with `help_section(cls, **kwargs)` (after any epilog it has), made
-    when the help is printed."""
+    when the help is printed. `cls` may be a function returning the class, for a command whose
+    config imports heavy modules (called only when the help is printed)."""
+    get = (lambda: cls) if isinstance(cls, type) else cls
     before = parser.epilog
     parser.epilog = _Deferred(  # type: ignore[assignment]
-        lambda: f"{before}\n\n{help_section(cls, **kwargs)}" if before else help_section(cls, **kwargs)
+        lambda: f"{before}\n\n{help_section(get(), **kwargs)}" if before else help_section(get(), **kwargs)
     )
     raw = issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter)
     parser.formatter_class = RawHelpFormatter if raw else HelpFormatter

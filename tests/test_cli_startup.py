@@ -32,6 +32,8 @@ LIGHT = (
     "jaxpi.cli.eval",
     "jaxpi.cli.vllm",
     "jaxpi.cli.plan",
+    "jaxpi.cli.grpo",
+    "jaxpi.cli.study",
 )
 # `jaxpi --help` and these commands' --help: only the command's own module is imported.
 HELP = (

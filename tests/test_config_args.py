@@ -418,3 +418,23 @@ def test_key_value_round_trips_any_value_of_its_type(depth, bare, name, tags):
     cfg = load_config(Whole, None, ["run=r", *overrides])
     assert cfg.section == Section(depth=depth, name=name, bare=float(repr(bare)))
     assert cfg.tags == tuple(tags)
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_trainer_help_lists_every_key_and_a_bare_name_is_a_preset(command, capsys):
+    """`jaxpi sft|grpo --help` ends with every config key and its default; `--config NAME` is
+    configs/<command>/NAME.yaml (a missing name lists the known ones, exit 2)."""
+    from jaxpi.cli import main
+    from jaxpi.rl.config import GRPOConfig
+    from jaxpi.sft.config import SFTConfig
+
+    cls = SFTConfig if command == "sft" else GRPOConfig
+    sub = build_parser(command)._subparsers._group_actions[0].choices[command]
+    text = sub.format_help()
+    for doc in describe(cls):
+        assert f"  {doc.key}: {doc.type} = {show_value(doc.default)}\n" in text, (command, doc.key)
+    assert main([command, "--config", "no-such-preset", "output.dir=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "no config 'no-such-preset'" in err and "tiny" in err, err
+    assert main([command, "--config", "tiny", "output.dirr=x"]) == 2
+    assert "did you mean 'output.dir'" in capsys.readouterr().err

@@ -14,8 +14,9 @@ import json
 import sys
 from typing import Any
 
+from jaxpi.cli.config_args import CONFIG_DIR
 from jaxpi.cli.registry import help_for
-from jaxpi.configfile import load_config
+from jaxpi.configfile import add_config_help, load_config, resolve_path
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
@@ -27,11 +28,20 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         "reward, one LoRA update per collection. Rerunning the same command resumes from the latest "
         "checkpoint in output.dir. `jaxpi report RUN_DIR` draws the run.",
     )
-    p.add_argument("--config", required=True, help="YAML file, e.g. configs/grpo/tiny.yaml")
+    p.add_argument(
+        "--config", required=True, help="YAML file, e.g. configs/grpo/tiny.yaml, or a NAME of configs/grpo/"
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override any config field")
     p.add_argument("--json", action="store_true", help="no progress bar; print a JSON summary at the end")
     p.set_defaults(fn=cmd_grpo)
+    add_config_help(p, _grpo_config)  # the config's module imports jax: only when --help prints
     return p
+
+
+def _grpo_config() -> type:
+    from jaxpi.rl.config import GRPOConfig
+
+    return GRPOConfig
 
 
 def cmd_grpo(args: argparse.Namespace) -> int:
@@ -42,7 +52,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     from jaxpi.vllm.server import ServerError
     from jaxpi.vllm.sync import AdapterProbeError
 
-    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    cfg = load_config(GRPOConfig, resolve_path(args.config, CONFIG_DIR / "grpo"), args.overrides)
     try:
         summary = run_grpo(cfg, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     except FloatingPointError as e:

@@ -28,7 +28,8 @@ ENTRY_POINT_GROUP = "jaxpi.bases"
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    # HF checkpoint directory, or "tiny-random" / "toy-random" (written into the run dir)
+    # HF checkpoint directory, or a named base written into the run dir: "tiny-random", or one
+    # registered through the jaxpi.bases entry points ("toy-random", "toy-copy": the toy study's)
     base: str = TINY_RANDOM
     dtype: str = "bfloat16"  # frozen base weights; adapters and optimizer state are float32
     remat: str = "none"  # QwenConfig.remat: none | full | dots | dots_no_batch | mlp | mlp_out
@@ -46,7 +47,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.base:
-            raise ValueError("model.base must be an HF checkpoint directory or 'tiny-random'")
+            raise ValueError("model.base must be an HF checkpoint directory or a named base (e.g. 'tiny-random')")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"model.dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.remat not in REMAT_POLICIES:
