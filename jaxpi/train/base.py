@@ -47,7 +47,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.base:
-            raise ValueError("model.base must be an HF checkpoint directory or a named base (e.g. 'tiny-random')")
+            raise ValueError(
+                "model.base must be an HF checkpoint directory or a named base (e.g. 'tiny-random')"
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"model.dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.remat not in REMAT_POLICIES:
