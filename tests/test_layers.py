@@ -305,3 +305,42 @@ def test_an_added_upward_import_or_cycle_is_caught():
     back = (down[1], down[0], "fake.py", 1, "module")  # the reverse of a real import closes a cycle
     assert any({"jaxpi.lora", "jaxpi.models"} <= set(c) for c in package_cycles([*EDGES, back]))
     assert any({down[0], down[1]} <= set(c) for c in module_cycles([*EDGES, back]))
+
+
+def _untyped(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The parameters (and `->`) of a function definition that carry no annotation."""
+    a = fn.args
+    missing = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.annotation is None]
+    missing = [m for m in missing if m not in ("self", "cls")]
+    missing += [f"*{v.arg}" for v in (a.vararg,) if v is not None and v.annotation is None]
+    missing += [f"**{v.arg}" for v in (a.kwarg,) if v is not None and v.annotation is None]
+    return missing + (["->"] if fn.returns is None and fn.name != "__init__" else [])
+
+
+def public_untyped(source: str) -> list[str]:
+    """`name [missing]` for each public module function and public method of a public class
+    (`__init__`/`__call__` included) that lacks an annotation."""
+    out = []
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+    def public(name: str) -> bool:
+        return not name.startswith("_") or name in ("__init__", "__call__")
+
+    for node in ast.parse(source).body:
+        found = [(node, "")] if isinstance(node, funcs) else []
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            found = [(m, f"{node.name}.") for m in node.body if isinstance(m, funcs)]
+        out += [f"{w}{f.name} {_untyped(f)}" for f, w in found if public(f.name) and _untyped(f)]
+    return out
+
+
+def test_public_functions_are_typed():
+    assert public_untyped("def f(x: int, *a: str) -> None: ...\nclass C:\n    def g(self, y): ...") == [
+        "C.g ['y', '->']"
+    ]
+    missing = [
+        f"{path.relative_to(ROOT)}: {item}"
+        for path in _modules().values()
+        for item in public_untyped(path.read_text())
+    ]
+    assert not missing, "public functions without annotations:\n" + "\n".join(missing)

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jaxpi.atomic import write_text
@@ -150,7 +151,7 @@ def _remaining_requirements(spec: VenvSpec) -> list[str]:
     return keep
 
 
-def build_venv(spec: VenvSpec, *, force: bool = False, log=None) -> dict:
+def build_venv(spec: VenvSpec, *, force: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Build (or reuse) the vLLM venv; returns a summary dict. Raises RuntimeError on failure."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.monotonic()
@@ -199,7 +200,9 @@ def build_venv(spec: VenvSpec, *, force: bool = False, log=None) -> dict:
     }
 
 
-def ensure_venv(path: str | Path | None = None, kind: str | None = None, *, log=None) -> Path:
+def ensure_venv(
+    path: str | Path | None = None, kind: str | None = None, *, log: Callable[[str], None] | None = None
+) -> Path:
     """The venv's python, building the venv first if needed (what the server and tests call)."""
     kind = kind or detect_kind()
     spec = VenvSpec(Path(path) if path else default_venv(kind), kind=kind)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 
-def per_platform(build: Callable[[str], Callable], interpret: bool | str | None, *args: jax.Array):
+def per_platform(build: Callable[[str], Callable], interpret: bool | str | None, *args: jax.Array) -> Any:
     """build(mode)(*args) for mode "interpret", "triton", "mosaic" or "mosaic_interpret".
 
     `interpret`: None picks by platform when lowering (Triton on GPU, Mosaic on TPU, Pallas'

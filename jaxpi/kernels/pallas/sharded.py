@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +116,9 @@ def mesh_layout() -> MeshLayout | None:
     return MeshLayout(resolver, probe.mesh)
 
 
-def run_sharded(fn: Callable, layout: MeshLayout, in_specs: Sequence[P], out_specs, *args: jax.Array):
+def run_sharded(
+    fn: Callable, layout: MeshLayout, in_specs: Sequence[P], out_specs: Any, *args: jax.Array
+) -> Any:
     """`fn(*args)` once per shard: `jax.shard_map` over the layout's mesh, manual over all its axes.
 
     check_vma=False: a `pallas_call`'s outputs carry no varying-mesh-axes type (its out_shape is a
