@@ -20,38 +20,48 @@ position are stacked over the groups; when only some of those layers are selecte
 
 Adapter weights are `LoRAParam` variables (float32, with logical axes like every parameter), kept
 apart from the frozen `nnx.Param` base weights: `nnx.state(model, LoRAParam)` is the trainable state.
+They sit in the slots the model layer declares (`jaxpi.models.adapters`: the slot names, which are
+the state paths, and `adapter_for`, through which `project` reads them), not in ad-hoc attributes.
 
-Modules: `config` (what to adapt), `adapters` (attach, merge, unmerge), `peft` (the peft format:
-export, merged export, import).
+Merging is a pure function over trees: `merged_params(params, lora, scale)` returns the `nnx.Param`
+state with W + s·A·B in every adapted projection and `unmerged_params` its inverse; `merge_lora` /
+`unmerge_lora` apply them to a model in place.
+
+Modules: `config` (what to adapt), `adapters` (attach), `merge` (merge, unmerge: pure and in place),
+`peft` (the peft format: export, merged export, import).
 """
 
-from jaxpi.lora.adapters import (
-    LoRAMask,
-    LoRAParam,
-    a_name,
-    adapter_module,
-    add_lora,
-    b_name,
-    mask_name,
-    merge_lora,
-    unmerge_lora,
-)
+from jaxpi.lora.adapters import LoRAMask, LoRAParam, adapted_modules, adapter_module, add_lora
 from jaxpi.lora.config import ALL_LINEAR, HF_BLOCK, TARGETS, LoraConfig, module_paths, select_modules
+from jaxpi.lora.merge import (
+    ADAPTER,
+    lora_deltas,
+    merge_lora,
+    merged_params,
+    merged_state,
+    model_scale,
+    unmerge_lora,
+    unmerged_params,
+)
 
 __all__ = [
+    "ADAPTER",
     "ALL_LINEAR",
     "HF_BLOCK",
     "TARGETS",
     "LoRAMask",
     "LoRAParam",
     "LoraConfig",
-    "a_name",
+    "adapted_modules",
     "adapter_module",
     "add_lora",
-    "b_name",
-    "mask_name",
+    "lora_deltas",
     "merge_lora",
+    "merged_params",
+    "merged_state",
+    "model_scale",
     "module_paths",
     "select_modules",
     "unmerge_lora",
+    "unmerged_params",
 ]

@@ -1,5 +1,6 @@
-"""Adapter weights on a model: `add_lora` attaches them (A random, B zero), `merge_lora` /
-`unmerge_lora` fold them into the base weights and back (the equations are in `jaxpi.lora`)."""
+"""Adapter weights on a model: `add_lora` fills the model's adapter slots (`jaxpi.models.adapters`)
+with A random and B zero; `adapter_module` finds the module holding one HF layer's adapter.
+Merging is in `jaxpi.lora.merge`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from flax import nnx
 
 from jaxpi.config import FULL
 from jaxpi.lora.config import IN_DIMS, TARGETS, LoraConfig, select_modules
+from jaxpi.models.adapters import attach, has_adapters
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_location, layer_plan
 
 
@@ -23,18 +25,6 @@ class LoRAParam(nnx.Variable):
 
 class LoRAMask(nnx.Variable):
     """Per-group 1.0 / 0.0 of a stacked adapter whose layers are only partly selected (not trained)."""
-
-
-def a_name(hf: str) -> str:
-    return f"lora_a_{hf}"
-
-
-def b_name(proj: str) -> str:
-    return f"lora_b_{proj}"
-
-
-def mask_name(hf: str) -> str:
-    return f"lora_mask_{hf}"
 
 
 def _stacked(cls: type[nnx.Variable], value: jax.Array, axes: tuple, stacked: bool) -> nnx.Variable:
@@ -106,15 +96,16 @@ def _attach(
     projs = TARGETS[plan.hf][1]
     n_in = IN_DIMS.get(projs[0], 1)
     axes = getattr(module, projs[0]).get_metadata()["out_sharding"][lead:]
+    mask = None
     if plan.rows is not None:
-        mask = jnp.asarray(np.asarray(plan.rows, np.float32))  # [G]
-        setattr(module, mask_name(plan.hf), LoRAMask(mask, out_sharding=("layers",), eager_sharding=False))
-    setattr(module, a_name(plan.hf), _stacked(LoRAParam, a, (*axes[:n_in], "lora_rank"), stacked))
+        rows = jnp.asarray(np.asarray(plan.rows, np.float32))  # [G]
+        mask = LoRAMask(rows, out_sharding=("layers",), eager_sharding=False)
+    a_var = _stacked(LoRAParam, a, (*axes[:n_in], "lora_rank"), stacked)
+    b_vars = {}
     for proj, b in zip(projs, bs, strict=True):
         paxes = getattr(module, proj).get_metadata()["out_sharding"][lead:]
-        setattr(module, b_name(proj), _stacked(LoRAParam, b, ("lora_rank", *paxes[n_in:]), stacked))
-    module.lora_scale = lcfg.scale
-    module.lora_dropout = lcfg.dropout
+        b_vars[proj] = _stacked(LoRAParam, b, ("lora_rank", *paxes[n_in:]), stacked)
+    attach(module, plan.hf, a_var, b_vars, mask, scale=lcfg.scale, dropout=lcfg.dropout)
 
 
 def add_lora(
@@ -154,80 +145,7 @@ def adapter_module(model: Qwen3_5ForCausalLM, layer: int, hf: str) -> tuple[nnx.
     return (blk.mlp if kind == "mlp" else blk.mixer), (g if where == "groups" else None)
 
 
-def _delta(module: nnx.Module, hf: str, proj: str, lead: int) -> jax.Array:
-    """s·A·B for one stored projection, in W's shape (float32; unselected groups zero)."""
-    a = getattr(module, a_name(hf)).get_value()
-    b = getattr(module, b_name(proj)).get_value()
-    a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])  # [(G,) in, r]
-    b2 = b.reshape(*b.shape[: lead + 1], -1)  # [(G,) r, out]
-    w_shape = getattr(module, proj).get_value().shape
-    delta = (module.lora_scale * jnp.matmul(a2, b2)).reshape(w_shape)
-    mask = getattr(module, mask_name(hf), None)
-    if mask is not None:
-        delta = delta * mask.get_value().reshape(-1, *([1] * (delta.ndim - 1)))
-    return delta
-
-
-def _apply(model: Qwen3_5ForCausalLM, sign: float) -> None:
-    for module, lead in _adapted_modules(model):
-        for hf, (_, projs) in TARGETS.items():
-            if getattr(module, a_name(hf), None) is None:
-                continue
-            for proj in projs:
-                base = getattr(module, proj)
-                w = base.get_value()
-                base.set_value(
-                    (w.astype(jnp.float32) + sign * _delta(module, hf, proj, lead)).astype(w.dtype)
-                )
-
-
-def merge_lora(model: Qwen3_5ForCausalLM, *, keep_adapters: bool = False) -> Qwen3_5ForCausalLM:
-    """Fold every adapter into its base weight (W ← W + s·A·B, in W's dtype), in place.
-
-    By default the adapters are then dropped. With `keep_adapters=True` they stay, switched off
-    in the forward pass, so that `unmerge_lora` can subtract them back out (as peft's
-    `merge_adapter` / `unmerge_adapter`).
-    """
-    if any(getattr(m, "lora_merged", False) for m, _ in _adapted_modules(model)):
-        raise ValueError("the adapters are already merged (unmerge_lora first)")
-    _apply(model, 1.0)
-    for module, _ in _adapted_modules(model):
-        if keep_adapters:
-            module.lora_merged = True
-            continue
-        for hf, (_, projs) in TARGETS.items():
-            if getattr(module, a_name(hf), None) is None:
-                continue
-            for proj in projs:
-                delattr(module, b_name(proj))
-            delattr(module, a_name(hf))
-            if getattr(module, mask_name(hf), None) is not None:
-                delattr(module, mask_name(hf))
-        del module.lora_scale, module.lora_dropout
-    if not keep_adapters and hasattr(model, "lora_config"):
-        del model.lora_config
-    return model
-
-
-def unmerge_lora(model: Qwen3_5ForCausalLM) -> Qwen3_5ForCausalLM:
-    """Undo `merge_lora(keep_adapters=True)`: W ← W − s·A·B and the adapters are live again.
-
-    Exact up to one rounding of W's dtype (float32: ~1e-7 relative; bf16 loses the low bits).
-    """
-    modules = _adapted_modules(model)
-    if not modules or not all(getattr(m, "lora_merged", False) for m, _ in modules):
-        raise ValueError("no merged adapters to unmerge (merge_lora(model, keep_adapters=True) first)")
-    _apply(model, -1.0)
-    for module, _ in modules:
-        del module.lora_merged
-    return model
-
-
-def _adapted_modules(model: Qwen3_5ForCausalLM) -> list[tuple[nnx.Module, int]]:
-    """(module, number of stacking axes) for every block module carrying adapters."""
+def adapted_modules(model: Qwen3_5ForCausalLM) -> list[nnx.Module]:
+    """Every block module (mixer or MLP) carrying adapters, scanned groups first."""
     groups = list(model.groups.blocks) if model.groups is not None else []
-    out = []
-    for blocks, lead in ((groups, 1), (list(model.tail), 0)):
-        for blk in blocks:
-            out += [(m, lead) for m in (blk.mixer, blk.mlp) if hasattr(m, "lora_scale")]
-    return out
+    return [m for blk in [*groups, *model.tail] for m in (blk.mixer, blk.mlp) if has_adapters(m)]

@@ -23,6 +23,7 @@ from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
+from jaxpi.models.adapters import adapter_for
 from jaxpi.models.params import constant, constrain, log_uniform, normal, param
 
 # Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
@@ -45,32 +46,30 @@ def project(
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(drop(x)·A)·B`
-    when an adapter is attached (`jaxpi.lora`); `hf` names the HF module whose A it shares
-    (in_proj_qkv). `drop` is inverted dropout at the adapter's rate, applied only given a key.
+    when the module carries an adapter for `proj` (`jaxpi.models.adapters`, filled by
+    `jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv). `drop` is inverted dropout at the adapter's rate, applied only given a key.
 
     The product stays in the activation dtype (TPU/GPU accumulate bf16 products in float32 inside
     the matmul): asking for a float32 result would make the backward cotangent float32 and promote
     every bf16 weight to a float32 copy in the gradient matmuls.
     """
     y = jnp.einsum(eq, x, getattr(mod, proj)[...])
-    b = getattr(mod, f"lora_b_{proj}", None)
-    if b is not None and not getattr(mod, "lora_merged", False):
-        name = hf or proj
-        a = getattr(mod, f"lora_a_{name}")[...]
+    name = hf or proj
+    adapter = adapter_for(mod, proj, name)
+    if adapter is not None and not adapter.merged:
         # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.
         xf = upcast(x)
-        rate = getattr(mod, "lora_dropout", 0.0)
+        rate = adapter.dropout
         if dropout_key is not None and rate > 0.0:
             # One mask per HF module (keyed by its name), so in_proj_qkv's three parts see the same
             # dropped input, as peft's single Linear does.
             key = jax.random.fold_in(dropout_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
             keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
             xf = jnp.where(keep, xf / (1.0 - rate), 0.0)
-        delta = lora_delta(xf, a, b[...], n_in)
-        mask = getattr(mod, f"lora_mask_{name}", None)
-        if mask is not None:  # a stacked adapter whose layer (this scan step) is not selected
-            delta = delta * mask[...]
-        y = (y + mod.lora_scale * delta).astype(x.dtype)
+        delta = lora_delta(xf, adapter.a, adapter.b, n_in)
+        if adapter.mask is not None:  # a stacked adapter whose layer (this scan step) is not selected
+            delta = delta * adapter.mask
+        y = (y + adapter.scale * delta).astype(x.dtype)
     return y
 
 

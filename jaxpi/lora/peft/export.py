@@ -16,9 +16,11 @@ from jaxpi.atomic import atomic_dir
 from jaxpi.config import QwenConfig
 from jaxpi.convert.hf import save_hf
 from jaxpi.convert.safetensors_io import DTYPES, PlannedTensor, write_file
-from jaxpi.lora.adapters import a_name, adapter_module, b_name, mask_name, merge_lora
+from jaxpi.lora.adapters import adapter_module
 from jaxpi.lora.config import HF_BLOCK, TARGETS, LoraConfig, module_paths, select_modules
+from jaxpi.lora.merge import merge_lora, merged_state
 from jaxpi.lora.peft.names import CONFIG_NAME, PEFT_VERSION, WEIGHTS_NAME, base_prefix, dtype_code, peft_key
+from jaxpi.models.adapters import a_name, b_name, mask_name
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
@@ -177,10 +179,15 @@ def save_merged(
     architecture and layout (`save_hf(source=base_dir)`: vision/MTP tensors and tokenizer files
     carried over, each tensor in the base's dtype unless `dtype` is given).
 
-    By default `model` is left as it was (the merge happens on a clone: new arrays for the adapted
-    weights only); `inplace=True` merges `model` itself and needs no extra memory.
+    By default `model` is left as it was (the pure merge, `jaxpi.lora.merged_params`, gives new
+    arrays for the adapted weights only, written from a model that shares the rest); `inplace=True`
+    merges `model` itself (`merge_lora`) and needs no extra memory.
     """
-    merged = merge_lora(model if inplace else nnx.clone(model))
+    if inplace:
+        merged = merge_lora(model)
+    else:
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        merged = nnx.merge(graphdef, merged_state(model), rest)
     return save_hf(merged, out_dir, source=base_dir, dtype=dtype, overwrite=overwrite, progress=progress)
 
 

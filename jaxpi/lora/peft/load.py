@@ -15,9 +15,10 @@ from flax import nnx
 from jaxpi.config import QwenConfig
 from jaxpi.convert.safetensors_io import CheckpointError, read_array, read_header
 from jaxpi.convert.table import text_rules
-from jaxpi.lora.adapters import LoRAMask, LoRAParam, a_name, adapter_module, add_lora, b_name
+from jaxpi.lora.adapters import LoRAMask, LoRAParam, adapter_module, add_lora
 from jaxpi.lora.config import HF_BLOCK, TARGETS, LoraConfig, module_paths, select_modules
 from jaxpi.lora.peft.names import CAUSAL_PREFIX, CONFIG_NAME, KEY, WEIGHTS_NAME, peft_key, read_json
+from jaxpi.models.adapters import a_name, b_name, parse_slot
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
@@ -159,7 +160,7 @@ def _materialize_masks(model: Qwen3_5ForCausalLM, cfg: QwenConfig, lora_cfg: Lor
     """Give the abstract model's `LoRAMask`s their values (which groups' layers are selected)."""
     chosen = set(select_modules(cfg, lora_cfg))
     for path, var in nnx.to_flat_state(nnx.state(model, LoRAMask)):
-        pos, hf = int(path[2]), str(path[-1]).removeprefix("lora_mask_")
+        pos, (_, hf) = int(path[2]), parse_slot(str(path[-1]))
         p = len(model.groups.blocks)
         g = var.get_value().shape[0]
         var.set_value(jnp.asarray([(k * p + pos, hf) in chosen for k in range(g)], jnp.float32))
