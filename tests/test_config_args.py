@@ -20,14 +20,11 @@ from jaxpi.cli import bench, build_parser, eval, gateway, main, pi, plan, serve,
 from jaxpi.cli.config_args import ConfigSpec, build_config
 from jaxpi.configfile import (
     ConfigError,
-    describe,
-    field_comments,
     field_names,
-    help_section,
     load_config,
     required_keys,
-    show_value,
 )
+from jaxpi.configfile.help import describe, field_comments, help_section, show_value
 from jaxpi.plan.presets import PRESET_DIR, ShardingPreset, load_preset
 
 

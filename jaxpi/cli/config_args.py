@@ -25,7 +25,6 @@ from typing import Any
 
 from jaxpi.configfile import (
     ConfigError,
-    add_config_help,
     config_data,
     from_dict,
     has_key,
@@ -33,6 +32,7 @@ from jaxpi.configfile import (
     required_keys,
     resolve_path,
 )
+from jaxpi.configfile.help import add_config_help
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # A trailing `key.sub=value` (a path such as runs/a=1 is not one: it has a slash before the `=`).

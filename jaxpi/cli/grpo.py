@@ -16,7 +16,8 @@ from typing import Any
 
 from jaxpi.cli.config_args import CONFIG_DIR
 from jaxpi.cli.registry import help_for
-from jaxpi.configfile import add_config_help, load_config, resolve_path
+from jaxpi.configfile import load_config, resolve_path
+from jaxpi.configfile.help import add_config_help
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ from typing import Any
 
 from jaxpi.cli.config_args import CONFIG_DIR
 from jaxpi.cli.registry import help_for
-from jaxpi.configfile import add_config_help, load_config, resolve_path
+from jaxpi.configfile import load_config, resolve_path
+from jaxpi.configfile.help import add_config_help
 from jaxpi.sft.config import SFTConfig
 from jaxpi.sft.loop import NonFiniteError, run_sft
 
