@@ -24,7 +24,7 @@ from jaxpi.sft import SFTConfig, run_sft
 from jaxpi.train.checkpoint import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
-COLLECTIONS = 3
+COLLECTIONS = 2
 SFT_STEPS = 60
 # Short sessions (17-40 reasoning tokens, 1-4 phrases, at every level; ~330 tokens in all) keep
 # sampling and updates cheap; the spread gives groups different rewards.
@@ -123,7 +123,8 @@ def kill_after(proc: subprocess.Popen, metrics: Path, updates: int, timeout: flo
 def runs(sft_dir, tmp_path_factory):
     """The uninterrupted run and the run to be killed; the killed one starts once the first has
     finished its first update (every program compiled and in the test run's compilation cache,
-    tests/conftest.py), the two then run side by side, and it is SIGKILLed after 2 updates."""
+    tests/conftest.py), the two then run side by side, and it is SIGKILLed after its first update
+    (its resume then repeats the second)."""
     root = tmp_path_factory.mktemp("grpo")
     cache = root / "jax-cache"
     straight_out, killed_out = root / "straight", root / "killed"
@@ -139,7 +140,7 @@ def runs(sft_dir, tmp_path_factory):
     p_killed = subprocess.Popen(
         command(sft_dir, killed_out), env=environ(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    kill_after(p_killed, killed_out / "metrics.jsonl", 2)
+    kill_after(p_killed, killed_out / "metrics.jsonl", COLLECTIONS - 1)
     stdout, _ = p_straight.communicate(timeout=900)
     log.close()
     assert p_straight.returncode == 0, (root / "straight.stderr").read_text()[-3000:]

@@ -213,9 +213,35 @@ def test_killed_study_left_no_run_behind_and_resumed_it(done):
     assert set(result["state"].values()) <= {"done", "ran"} and "ran" in result["state"].values()
 
 
+def test_starts_reuse_another_studys_sft_runs_and_never_start_them(done, tmp_path):
+    """`--starts`: the SFT jobs are the other study's finished runs (reused, never started), each
+    GRPO run reads its seed's adapter from there; a start that is not finished stops the study
+    before any process starts. (The run itself: the slow test below.)"""
+    first = done[0]
+    spec = study_config.StudySpec(seeds=(0, 1), arms=("binary",), short=True, starts=str(first))
+    jobs = study_run.plan(tmp_path / "again", spec)
+    assert [(j.name, j.reuse, j.done) for j in jobs] == [
+        ("seed-0/sft", True, True),
+        ("seed-0/binary", False, False),
+        ("seed-1/sft", True, True),
+        ("seed-1/binary", False, False),
+    ]
+    assert jobs[1].run_dir == tmp_path / "again" / "seed-0" / "binary"
+    assert f"model.adapter={first / 'seed-0' / 'sft'}" in jobs[1].argv
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "seed-0" / "sft").mkdir(parents=True)
+    spec = study_config.StudySpec(seeds=(0,), arms=("binary",), short=True, starts=str(unfinished))
+    started = []
+    with pytest.raises(FileNotFoundError, match="not a finished run"):
+        study_run.run_jobs(study_run.plan(tmp_path / "b", spec), tmp_path / "b" / "logs", say=started.append)
+    assert started == [] and not (tmp_path / "b" / "seed-0").exists()
+
+
+@pytest.mark.slow
 def test_same_seed_same_metrics(done, tmp_path):
     """Seed 0's effort-ordered run again, in another study on the same start: its metrics and
-    attempts are the first study's (killed and resumed there) bit for bit, timings aside."""
+    attempts are the first study's (killed and resumed there) bit for bit, timings aside. (A
+    killed and resumed GRPO run repeating the uninterrupted one is also test_grpo_run.py's.)"""
     first = done[0]
     out = tmp_path / "again"
     argv = command(out, "--seeds", "1", "--arms", "effort_ordered", "--starts", str(first), sft=[])
