@@ -57,6 +57,7 @@ VARIANTS = (
     Variant("grpo/pi-9b.yaml", "grpo-9b-v5p"),
 )
 IDS = [f"{v.recipe}@{v.plan}" for v in VARIANTS]
+USABLE = 0.95  # the share of a device's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION)
 MODEL_OF = {"qwen3_5_27b": "Qwen3.5-27B", "qwen3_5_9b": "Qwen3.5-9B"}
 
 
@@ -134,7 +135,8 @@ def test_recipe_fits_its_machine_by_the_analytic_plan(v):
     need = res.peak_bytes
     if isinstance(cfg, GRPOConfig):  # the engine's cache lives beside the update on the device
         need += engine_cache_bytes(cfg, preset(pc.model))
-    assert res.fits and need <= pc.device_memory, (need / 2**30, pc.device_memory / 2**30)
+    # JAX is started with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the recipes say so): 95% is usable.
+    assert res.fits and need <= USABLE * pc.device_memory, (need / 2**30, pc.device_memory / 2**30)
 
 
 def run_plan(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -179,7 +181,7 @@ def test_recipe_fits_its_machine_compiled(v):
     cfg = recipe(v)
     if isinstance(cfg, GRPOConfig):
         pc = plan_config(v)
-        assert r["peak_bytes"] + engine_cache_bytes(cfg, preset(pc.model)) <= pc.device_memory
+        assert r["peak_bytes"] + engine_cache_bytes(cfg, preset(pc.model)) <= USABLE * pc.device_memory
 
 
 # ---- the Qwen3.5-9B preset --------------------------------------------------------------------
