@@ -10,11 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jaxpi.config import QWEN3_5_27B, TINY, QwenConfig, preset
+    from jaxpi.config import QWEN3_5_9B, QWEN3_5_27B, TINY, QwenConfig, preset
     from jaxpi.convert import CheckpointError, load_hf, save_hf
     from jaxpi.models import Qwen3_5ForCausalLM
 
 _WHERE = {
+    "QWEN3_5_9B": "jaxpi.config",
     "QWEN3_5_27B": "jaxpi.config",
     "TINY": "jaxpi.config",
     "QwenConfig": "jaxpi.config",
@@ -26,6 +27,7 @@ _WHERE = {
 }
 
 __all__ = [
+    "QWEN3_5_9B",
     "QWEN3_5_27B",
     "TINY",
     "CheckpointError",

@@ -362,6 +362,23 @@ QWEN3_5_27B = QwenConfig(
     ),
 )
 
+# Qwen3.5-9B text model, the same architecture at about a third of the size: hidden 4096, 32
+# layers (8 groups of 3 DeltaNet + 1 full attention), 16 q / 4 kv heads of 256, DeltaNet 16 key /
+# 32 value heads of 128, intermediate 12288, vocab 248320, untied embeddings, rope_theta 1e7,
+# partial rotary 0.25 (64 of 256 dims). The numbers are those of Qwen's model card for
+# Qwen/Qwen3.5-9B and of the `text_config` of its `config.json` as published copies of it give
+# them (the checkpoint cannot be downloaded here); `QwenConfig.from_hf` on the real file is the
+# check: it must equal this preset up to `hf_extra`.
+QWEN3_5_9B = QWEN3_5_27B.replace(
+    hidden_size=4_096,
+    intermediate_size=12_288,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+
 # A tiny config for tests and the demo: every structural feature of the 27B (hybrid 3:1 stack,
 # GQA, Hv = 3 * Hk DeltaNet, partial rotary) at a size that runs in seconds on a CPU.
 TINY = QwenConfig(
@@ -381,7 +398,7 @@ TINY = QwenConfig(
     gdn_chunk_size=16,
 )
 
-PRESETS: dict[str, QwenConfig] = {"qwen3_5_27b": QWEN3_5_27B, "tiny": TINY}
+PRESETS: dict[str, QwenConfig] = {"qwen3_5_27b": QWEN3_5_27B, "qwen3_5_9b": QWEN3_5_9B, "tiny": TINY}
 
 
 def preset(name: str) -> QwenConfig:

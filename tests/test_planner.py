@@ -229,3 +229,15 @@ def test_hlo_collectives_are_counted_per_loop_iteration():
 def test_hlo_parser_needs_an_entry():
     with pytest.raises(ValueError, match="ENTRY"):
         count_collectives("%foo (a: f32[]) -> f32[] {\n}\n")
+
+
+def test_no_compile_gives_the_compiled_runs_analytic_figures(tiny_plans):
+    # --no-compile skips only the XLA compile: the analytic figures are the same numbers, and the
+    # peak / verdict come from them.
+    proc = run_plan(*TINY_8, "--strategy", "fsdp", "--no-compile")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["compiled"] is None and r["collectives"] is None and r["compile_seconds"] == 0.0
+    assert r["analytic"] == tiny_plans["fsdp"]["analytic"]
+    assert r["collectives_analytic"] == tiny_plans["fsdp"]["collectives_analytic"]
+    assert r["peak_bytes"] == r["analytic"]["argument"] + r["analytic"]["temp"]

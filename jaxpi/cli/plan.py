@@ -17,7 +17,7 @@ SPEC = ConfigSpec(
     PlanConfig,
     "plan",
     (
-        Flag("--model", "model", "model preset (qwen3_5_27b, tiny)"),
+        Flag("--model", "model", "model preset (qwen3_5_27b, qwen3_5_9b, tiny)"),
         Flag("--mesh", "mesh", "e.g. fsdp=64 or data=2,fsdp=4,tensor=2"),
         Flag("--dcn", "dcn", "the part of each axis across slices/hosts, e.g. data=2"),
         Flag("--preset", "preset", "configs/sharding/NAME.yaml: mesh, dcn, device memory"),
@@ -48,6 +48,11 @@ SPEC = ConfigSpec(
             "gdn_impl",
             "model.gdn_impl, compiled as given (the analytic figure counts every impl as the plain scan)",
             choices=GDN_IMPLS,
+        ),
+        Flag(
+            "--no-compile",
+            "no_compile",
+            "the analytic figures only, in seconds: no XLA compile, the verdict from the analytic peak",
         ),
     ),
 )

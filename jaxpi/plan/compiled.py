@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,27 +110,11 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     step = make_train_step(graphdef, optimizer, trainable=trainable)
     jitted = jit_train_step(step, p_shard, o_shard, {"input_ids": bs}, mesh, strategy, fallbacks=fallbacks)
 
-    if MEMORY_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        warnings.warn(
-            f"XLA_FLAGS lacks {MEMORY_SCHEDULER_FLAG}: the compiled temporaries ignore remat "
-            "(XLA:CPU's concurrency schedule recomputes during the forward)",
-            stacklevel=2,
-        )
-    label = f"compiling {req.strategy} on {req.mesh} ({n} devices)"
-    start = time.perf_counter()
-    # compile_cache.disabled(): the figures and the compile time are this compile's, never a load.
-    with _spinner(label, progress), compile_cache.disabled():
-        compiled = jitted.lower(state, opt_abstract, batch).compile(compiler_options=PLANNER_COMPILE_OPTIONS)
-    seconds = time.perf_counter() - start
-
-    mem = compiled.memory_analysis()
-    compiled_mem = {
-        "argument": int(mem.argument_size_in_bytes),
-        "output": int(mem.output_size_in_bytes),
-        "alias": int(mem.alias_size_in_bytes),
-        "temp": int(mem.temp_size_in_bytes),
-    }
-    peak = compiled_mem["argument"] + compiled_mem["temp"] + compiled_mem["output"] - compiled_mem["alias"]
+    compiled_mem: dict[str, int] | None = None
+    coll: dict[str, dict[str, int]] | None = None
+    seconds = 0.0
+    if req.compile:
+        compiled_mem, coll, seconds = _compile(jitted, (state, opt_abstract, batch), req, n, progress)
     params_local = local_bytes(state, p_shard)
     train_local = local_bytes(train_abstract, train_shard)
     opt_local = local_bytes(opt_abstract, o_shard)
@@ -141,7 +126,12 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
         "argument": params_local + opt_local + local_bytes(batch, {"input_ids": bs}),
         "temp": activation_estimate(setup, train_local),
     }
-    coll = count_collectives(compiled.as_text())
+    if compiled_mem is None:
+        peak = analytic["argument"] + analytic["temp"]
+    else:
+        peak = (
+            compiled_mem["argument"] + compiled_mem["temp"] + compiled_mem["output"] - compiled_mem["alias"]
+        )
     fits = None if req.device_memory is None else peak <= req.device_memory
     return PlanResult(
         request=req,
@@ -149,10 +139,38 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
         global_batch=global_batch,
         compiled=compiled_mem,
         analytic=analytic,
-        collectives=coll.to_json(),
+        collectives=coll,
         collectives_analytic=collectives_estimate(setup, train_abstract, train_shard).to_json(),
         peak_bytes=peak,
         fits=fits,
         fallbacks=sorted({str(f) for f in fallbacks}),
         compile_seconds=seconds,
     )
+
+
+def _compile(
+    jitted: Any, args: tuple[Any, ...], req: PlanRequest, n: int, progress: bool
+) -> tuple[dict[str, int], dict[str, dict[str, int]], float]:
+    """Compile the step for the mesh: (memory_analysis() per device, collectives, seconds)."""
+    if MEMORY_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        warnings.warn(
+            f"XLA_FLAGS lacks {MEMORY_SCHEDULER_FLAG}: the compiled temporaries ignore remat "
+            "(XLA:CPU's concurrency schedule recomputes during the forward)",
+            stacklevel=2,
+        )
+    label = f"compiling {req.strategy} on {req.mesh} ({n} devices)"
+    start = time.perf_counter()
+    # compile_cache.disabled(): the figures and the compile time are this compile's, never a load.
+    with _spinner(label, progress), compile_cache.disabled():
+        compiled = jitted.lower(*args).compile(compiler_options=PLANNER_COMPILE_OPTIONS)
+    seconds = time.perf_counter() - start
+
+    mem = compiled.memory_analysis()
+    compiled_mem = {
+        "argument": int(mem.argument_size_in_bytes),
+        "output": int(mem.output_size_in_bytes),
+        "alias": int(mem.alias_size_in_bytes),
+        "temp": int(mem.temp_size_in_bytes),
+    }
+    coll = count_collectives(compiled.as_text())
+    return compiled_mem, coll.to_json(), seconds

@@ -18,7 +18,7 @@ DTYPES = ("bfloat16", "float32")
 class PlanConfig:
     """One `jaxpi plan` run (`jaxpi plan --help` lists every key with its flag)."""
 
-    model: str = "qwen3_5_27b"  # model preset (qwen3_5_27b, tiny)
+    model: str = "qwen3_5_27b"  # model preset (qwen3_5_27b, qwen3_5_9b, tiny)
     mesh: str | None = None  # e.g. fsdp=64 or data=2,fsdp=4,tensor=2; None: the preset's
     dcn: str | None = None  # the part of each axis across slices/hosts, e.g. data=2
     preset: str | None = None  # configs/sharding/NAME.yaml (or a path): mesh, dcn, device memory, strategy
@@ -34,6 +34,9 @@ class PlanConfig:
     loss_chunk: int = 0  # the LM head this many positions at a time (0: all at once)
     attn_impl: str = "jax"  # QwenConfig.attn_impl: jax (blocked, scores kept) | pallas (flash)
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl, compiled as given
+    # true: the analytic figures only, in seconds (the peak and the fit verdict are then the
+    # analytic arguments + temp, which ran 8-31% below the compiled temp on one device)
+    no_compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(s.strip() for s in self.compare if s.strip()))
@@ -90,6 +93,7 @@ class PlanConfig:
             "loss_chunk": self.loss_chunk,
             "attn_impl": self.attn_impl,
             "gdn_impl": self.gdn_impl,
+            "compile": not self.no_compile,
         }
 
     @property

@@ -26,6 +26,7 @@ class PlanRequest:
     loss_chunk: int = 0  # the LM head this many positions at a time (0: all at once)
     attn_impl: str = "jax"  # QwenConfig.attn_impl: "jax" (blocked, scores kept) | "pallas" (flash)
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl (one of GDN_IMPLS)
+    compile: bool = True  # False: the analytic figures only (seconds, not a minute of XLA compile)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch_per_device < 1:
@@ -49,11 +50,11 @@ class PlanResult:
     request: PlanRequest
     devices: int
     global_batch: int
-    compiled: dict[str, int]  # per device, from memory_analysis()
+    compiled: dict[str, int] | None  # per device, from memory_analysis(); None: not compiled
     analytic: dict[str, int]  # per device, from shapes and shardings
-    collectives: dict[str, dict[str, int]]
+    collectives: dict[str, dict[str, int]] | None  # None: not compiled
     collectives_analytic: dict[str, dict[str, int]]
-    peak_bytes: int
+    peak_bytes: int  # compiled: arguments + temp + outputs - aliased; else analytic arguments + temp
     fits: bool | None
     fallbacks: list[str]
     compile_seconds: float

@@ -32,24 +32,27 @@ def format_table(results: list[PlanResult]) -> str:
     row("optimizer /dev", [_gib(r.analytic["optimizer"]) for r in results])
     row(
         "arguments /dev (compiled | analytic)",
-        [f"{_gib(r.compiled['argument'])} | {_gib(r.analytic['argument'])}" for r in results],
+        [f"{_gib((r.compiled or {}).get('argument'))} | {_gib(r.analytic['argument'])}" for r in results],
     )
     row(
         "temp /dev (compiled | analytic)",
-        [f"{_gib(r.compiled['temp'])} | {_gib(r.analytic['temp'])}" for r in results],
+        [f"{_gib((r.compiled or {}).get('temp'))} | {_gib(r.analytic['temp'])}" for r in results],
     )
-    row("peak /dev (compiled)", [_gib(r.peak_bytes) for r in results])
+    row(
+        "peak /dev",
+        [f"{_gib(r.peak_bytes)} ({'compiled' if r.compiled else 'analytic'})" for r in results],
+    )
     row("fits device memory", ["-" if r.fits is None else ("yes" if r.fits else "NO") for r in results])
     for k in KINDS:
         row(
             f"{k} n, bytes/dev (compiled | analytic)",
             [
-                f"{r.collectives[k]['count']}, {_gib(r.collectives[k]['bytes'])} | "
-                f"{r.collectives_analytic[k]['count']}, {_gib(r.collectives_analytic[k]['bytes'])}"
+                (f"{r.collectives[k]['count']}, {_gib(r.collectives[k]['bytes'])}" if r.collectives else "-")
+                + f" | {r.collectives_analytic[k]['count']}, {_gib(r.collectives_analytic[k]['bytes'])}"
                 for r in results
             ],
         )
-    row("compile s", [f"{r.compile_seconds:.0f}" for r in results])
+    row("compile s", [f"{r.compile_seconds:.0f}" if r.compiled else "- (--no-compile)" for r in results])
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))

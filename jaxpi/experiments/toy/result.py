@@ -132,5 +132,5 @@ def what_it_shows(report: dict[str, Any], *, full: bool) -> str:
         )
     return (
         f"{what}\n{line}\nThe result across seeds: `jaxpi study --seeds 5 --jobs 2 --out DIR` "
-        '(README, "The seed\'s result at toy scale"; docs/grpo.md).'
+        '(docs/grpo.md, "The seed\'s result at toy scale").'
     )
