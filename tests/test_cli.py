@@ -149,3 +149,32 @@ def test_config_commands_take_a_preset_then_flags_then_overrides(capsys):
     assert "jaxpi serve: error: max_len must be >= 2, got 1" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny", "--config", "default", "mesh=fsdp=2", "remat=al"]) == 2
     assert "remat 'al' is not one of" in capsys.readouterr().err
+
+
+def test_tiny_checkpoint_carries_the_tiny_tokenizer_so_serve_loads_it(ckpt):
+    """`jaxpi tiny-checkpoint OUT` then `jaxpi serve --model OUT`: the tokenizer with its chat
+    template comes in the checkpoint, and serve's loader takes it from there."""
+    from jaxpi.cli import build_parser
+    from jaxpi.cli.serve import serve_config
+    from jaxpi.data.render import load_tokenizer
+    from jaxpi.serve.loading import load_served_model
+
+    assert (ckpt / "tokenizer.json").is_file() and load_tokenizer(str(ckpt)).chat_template
+    loaded = load_served_model(
+        serve_config(build_parser("serve").parse_args(["serve", "--model", str(ckpt)]))
+    )
+    assert loaded.tokenizer_dir == ckpt and loaded.base_dir == ckpt
+
+
+def test_serve_without_a_chat_template_names_the_tokenizer_flag(ckpt, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(ckpt / name, bare / name)
+    assert main(["serve", "--model", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert f"jaxpi serve: error: tokenizer in {bare} has no chat_template; give --tokenizer DIR" in err
+    assert main(["serve", "--model", str(bare), "--tokenizer", str(bare)]) == 2
+    assert f"jaxpi serve: error: --tokenizer {bare}: tokenizer in {bare}" in capsys.readouterr().err
