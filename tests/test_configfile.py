@@ -126,6 +126,27 @@ def test_a_yaml_syntax_error_exits_2_with_one_line(tmp_path, capsys):
         load_config(Outer, None, ["steps=[1"])
 
 
+def test_the_sft_docs_numbers_are_the_tiny_configs():
+    """docs/sft.md describes configs/sft/tiny.yaml in numbers; they are read from the file here."""
+    import re
+
+    from jaxpi.sft.config import DEMO_SESSIONS
+
+    doc = (ROOT / "docs" / "sft.md").read_text()
+    cfg = load_config(SFTConfig, ROOT / "configs" / "sft" / "tiny.yaml")
+
+    def number(pattern: str) -> tuple[int, ...]:
+        m = re.search(pattern, doc)
+        assert m, f"docs/sft.md no longer says {pattern!r}"
+        return tuple(int(g) for g in m.groups())
+
+    assert number(r"trains (\d+) steps") == (cfg.train.steps,)
+    assert number(r"each step is (\d+) rows of (\d+) tokens") == (cfg.data.batch_size, cfg.data.seq_len)
+    assert number(r"renders the (\d+) bundled demo sessions") == (len(list(Path(DEMO_SESSIONS).iterdir())),)
+    more, to = number(r"train\.steps=(\d+) +# resumes, goes on to (\d+)")
+    assert more == to > cfg.train.steps  # the resume example trains past the config's last step
+
+
 def test_sft_configs_load_and_every_field_is_overridable():
     for path in sorted((ROOT / "configs" / "sft").glob("*.yaml")):
         cfg = load_config(SFTConfig, path)
