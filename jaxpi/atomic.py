@@ -173,7 +173,8 @@ def atomic_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[P
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
     if os.path.lexists(out) and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
+        # The commands that write through here (convert, export) take --overwrite for `overwrite`.
+        raise FileExistsError(f"{out} exists and is not empty; give --overwrite to replace it")
     tmp = _temp_dir(out, "partial")
     try:
         yield tmp

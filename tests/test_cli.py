@@ -1,12 +1,14 @@
 """The `jaxpi` command: parity, convert, tiny-checkpoint, demo (in-process and one real subprocess)."""
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from jaxpi.cli import main
+from jaxpi.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,14 @@ def test_convert_check_and_export(ckpt, tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["text_config"]["dtype"] == "bfloat16"
     # A second export into the same non-empty directory is refused with a clear message.
     assert main(["convert", "--from", str(ckpt), "--to", str(out)]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"jaxpi convert: error: {out} exists and is not empty; give --overwrite to replace it" in err
+    # The flag the message names is one the commands that write directories take.
+    flag = re.search(r"give (-[-\w]+)", err).group(1)
+    for command in ("convert", "export"):
+        (sub,) = [a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)]
+        assert flag in sub.choices[command]._option_string_actions, command
+    assert main(["convert", "--from", str(ckpt), "--to", str(out), flag]) == 0
 
 
 def test_convert_reports_a_bad_checkpoint_by_tensor_name(ckpt, tmp_path, capsys):
@@ -149,3 +158,31 @@ def test_config_commands_take_a_preset_then_flags_then_overrides(capsys):
     assert "jaxpi serve: error: max_len must be >= 2, got 1" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny", "--config", "default", "mesh=fsdp=2", "remat=al"]) == 2
     assert "remat 'al' is not one of" in capsys.readouterr().err
+
+
+def test_tiny_checkpoint_carries_the_tiny_tokenizer_so_serve_loads_it(ckpt):
+    """`jaxpi tiny-checkpoint OUT` then `jaxpi serve --model OUT`: the tokenizer with its chat
+    template comes in the checkpoint, and serve's loader takes it from there."""
+    from jaxpi.cli.serve import serve_config
+    from jaxpi.data.render import load_tokenizer
+    from jaxpi.serve.loading import load_served_model
+
+    assert (ckpt / "tokenizer.json").is_file() and load_tokenizer(str(ckpt)).chat_template
+    loaded = load_served_model(
+        serve_config(build_parser("serve").parse_args(["serve", "--model", str(ckpt)]))
+    )
+    assert loaded.tokenizer_dir == ckpt and loaded.base_dir == ckpt
+
+
+def test_serve_without_a_chat_template_names_the_tokenizer_flag(ckpt, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(ckpt / name, bare / name)
+    assert main(["serve", "--model", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert f"jaxpi serve: error: tokenizer in {bare} has no chat_template; give --tokenizer DIR" in err
+    assert main(["serve", "--model", str(bare), "--tokenizer", str(bare)]) == 2
+    assert f"jaxpi serve: error: --tokenizer {bare}: tokenizer in {bare}" in capsys.readouterr().err

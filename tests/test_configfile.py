@@ -6,7 +6,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import seed as fixed_seed
+from hypothesis import strategies as st
 
+from jaxpi.cli import main
 from jaxpi.configfile import ConfigError, field_names, load_config, to_dict
 from jaxpi.sft.config import SFTConfig
 
@@ -91,6 +95,56 @@ def test_unknown_yaml_key_lists_the_section(tmp_path):
         load_config(Outer, path)
     with pytest.raises(FileNotFoundError):
         load_config(Outer, tmp_path / "missing.yaml")
+
+
+@fixed_seed(5)
+@settings(max_examples=15, deadline=None)
+@given(lines=st.integers(1, 8), bad=st.data())
+def test_a_yaml_syntax_error_is_file_line_message(tmp_path_factory, lines, bad):
+    """A file that is not YAML is named with the line at fault, as `FILE:LINE: problem`, one line."""
+    k = bad.draw(st.integers(1, lines), label="bad line")
+    rows = ["name: a"] * lines
+    rows[k - 1] = "\tsteps: 1"  # a tab cannot start a YAML token
+    path = tmp_path_factory.mktemp("yaml") / "c.yaml"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, path)
+    assert str(e.value).startswith(f"{path}:{k}: found character '\\t' that cannot start any token")
+    assert "\n" not in str(e.value)
+
+
+def test_a_yaml_syntax_error_exits_2_with_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n  eval_every: [1, 2\nmodel:\n  base: x\n")
+    assert main(["sft", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"jaxpi sft: error: {path}:4: expected ',' or ']', but got ':' (column 6; while parsing a flow "
+        "sequence started at line 3)\n"
+    )
+    with pytest.raises(ConfigError, match=r"override steps=\[1: the value is not YAML: expected ','"):
+        load_config(Outer, None, ["steps=[1"])
+
+
+def test_the_sft_docs_numbers_are_the_tiny_configs():
+    """docs/sft.md describes configs/sft/tiny.yaml in numbers; they are read from the file here."""
+    import re
+
+    from jaxpi.sft.config import DEMO_SESSIONS
+
+    doc = (ROOT / "docs" / "sft.md").read_text()
+    cfg = load_config(SFTConfig, ROOT / "configs" / "sft" / "tiny.yaml")
+
+    def number(pattern: str) -> tuple[int, ...]:
+        m = re.search(pattern, doc)
+        assert m, f"docs/sft.md no longer says {pattern!r}"
+        return tuple(int(g) for g in m.groups())
+
+    assert number(r"trains (\d+) steps") == (cfg.train.steps,)
+    assert number(r"each step is (\d+) rows of (\d+) tokens") == (cfg.data.batch_size, cfg.data.seq_len)
+    assert number(r"renders the (\d+) bundled demo sessions") == (len(list(Path(DEMO_SESSIONS).iterdir())),)
+    more, to = number(r"train\.steps=(\d+) +# resumes, goes on to (\d+)")
+    assert more == to > cfg.train.steps  # the resume example trains past the config's last step
 
 
 def test_sft_configs_load_and_every_field_is_overridable():

@@ -406,7 +406,7 @@ def test_session_data_and_report(env):
     assert "verifier_failed=2" in report_text(report, cfg.data.seq_len)
 
 
-@pytest.mark.slow  # the tiny config as shipped: 12 steps of 2 x 3072 tokens, ~1-2 minutes
+@pytest.mark.slow  # the tiny config as shipped: 24 steps of 2 x 3072 tokens, ~1-2 minutes
 def test_tiny_config_as_shipped(env):
     out = env.root / "tiny"
     proc = subprocess.run(

@@ -9,7 +9,7 @@ jaxpi sft --config configs/sft/tiny.yaml [key.sub=value ...] [--json]
 jaxpi export --adapter RUN_OR_CKPT [--base HF_DIR] --out DIR [--merged] [--json]
 jaxpi plan --preset NAME | --model M --mesh SPEC --strategy S ... [--json]
 jaxpi demo [--out DIR] [--json]
-... and the rest of `jaxpi --help`.
+... and the rest of `jaxpi --help`; `jaxpi --version` prints the package's version.
 
 Every command is a row of `jaxpi.cli.registry.COMMANDS` and a module with `add_subparser`; a
 command's module is imported only when that command runs (or its --help is asked for), so
@@ -26,8 +26,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from jaxpi import __version__
 from jaxpi.cli.errors import BAD_INPUT, BAD_INPUT_ERRORS
 from jaxpi.cli.registry import BY_NAME, COMMANDS
+from jaxpi.configfile.help import add_defaults
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -40,6 +42,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpi", description="Qwen3.5 in JAX: HF weights in and out, parity with transformers."
     )
+    p.add_argument("--version", action="version", version=f"jaxpi {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     wanted = BY_NAME[command].module if command in BY_NAME else None
     registered: set[str] = set()
@@ -50,6 +53,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
                 registered.add(cmd.module)
         else:
             sub.add_parser(cmd.name, help=cmd.help)
+    add_defaults(p)
     return p
 
 

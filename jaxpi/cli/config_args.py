@@ -32,7 +32,7 @@ from jaxpi.configfile import (
     required_keys,
     resolve_path,
 )
-from jaxpi.configfile.help import add_config_help
+from jaxpi.configfile.help import add_config_help, default_note, has_default, key_defaults
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # A trailing `key.sub=value` (a path such as runs/a=1 is not one: it has a slash before the `=`).
@@ -108,14 +108,19 @@ def add_config_arguments(p: argparse.ArgumentParser, spec: ConfigSpec) -> None:
     """Add `spec`'s flags (absent unless given), `--config`, the trailing overrides, and end the
     help with every config key, its type, default and comment."""
     hints = typing.get_type_hints(spec.cls)
+    defaults = key_defaults(spec.cls, spec.defaults)
     for f in spec.flags:
         kwargs: dict[str, Any] = {"help": f.help}
+        hint = _hint(hints, f.key)
         if f.positional:
             if f.nargs:
                 kwargs["nargs"] = f.nargs
         else:
-            kwargs["default"] = argparse.SUPPRESS
-        hint = _hint(hints, f.key)
+            kwargs["default"] = argparse.SUPPRESS  # the config's value stands unless the flag is given
+            value = defaults.get(f.key)
+            if has_default(value) and "default" not in (f.help or "").lower():
+                note = default_note(value)
+                kwargs["help"] = f"{f.help} {note}" if f.help else note
         if hint is bool and not f.positional:
             kwargs["action"] = "store_true"
         else:

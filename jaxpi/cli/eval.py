@@ -86,7 +86,7 @@ def add_subparser(sub: Any) -> None:
         "eval",
         help=help_for("eval"),
         description="Runs every task x level x K real Pi attempts (sandboxed, verifier-scored) against the "
-        "model and prints the per-level table: pass rate with its 95%% Wilson interval, mean reasoning "
+        "model and prints the per-level table: pass rate with its 95% Wilson interval, mean reasoning "
         "tokens (task-bootstrap interval), output tokens, turns, wall time. Saves results.json, table.txt "
         "and frontier.png (pass rate vs reasoning tokens, arrows L->M->X) in --out.",
     )

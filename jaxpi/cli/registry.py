@@ -42,7 +42,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "demo",
         "jaxpi.cli.demo",
-        "what `make demo` runs: parity table, LoRA SFT on the demo Pi sessions, export, peft reload",
+        "what `make demo` runs: parity table, LoRA SFT on the demo Pi sessions, export, peft reload, "
+        "effort-ordered vs binary GRPO",
         compile_cache=True,
     ),
     Command(

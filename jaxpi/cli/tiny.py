@@ -1,4 +1,6 @@
-"""`jaxpi tiny-checkpoint`: a tiny random Qwen3.5 checkpoint built by transformers."""
+"""`jaxpi tiny-checkpoint`: a tiny random Qwen3.5 checkpoint built by transformers, with the
+bundled tiny tokenizer and its chat template, so `jaxpi serve --model OUT` serves it as it is
+(a --hf-config checkpoint has no tokenizer: its vocabulary is the config's)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
         )
     else:
         cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
-        out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype)
+        # With the tiny tokenizer (its chat template included): `jaxpi serve --model OUT` runs as is.
+        out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype, tokenizer=True)
     print(out)
     return 0

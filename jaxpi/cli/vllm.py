@@ -3,6 +3,7 @@
 jaxpi vllm setup [--venv DIR] [--kind cpu|cuda] [--force] [--config FILE_OR_NAME] [key=value ...] [--json]
 jaxpi vllm serve --model DIR [--port P] [--max-lora-rank R] [--max-model-len N] [--config FILE_OR_NAME]
                  [key=value ...] [--json]
+jaxpi vllm tiny-checkpoint OUT [--layers N] [--seed S] [--json]
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     tc.add_argument("out")
     tc.add_argument("--layers", type=int, default=4)
     tc.add_argument("--seed", type=int, default=0)
+    tc.add_argument("--json", action="store_true", help="print one JSON object: the directory and its files")
     tc.set_defaults(fn=cmd_tiny)
 
     sv = add_command_parser(
@@ -141,7 +143,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
 def cmd_tiny(args: argparse.Namespace) -> int:
     from jaxpi.vllm.fixtures import make_vllm_checkpoint
 
-    print(make_vllm_checkpoint(args.out, seed=args.seed, layers=args.layers))
+    out = make_vllm_checkpoint(args.out, seed=args.seed, layers=args.layers)
+    emit({"output": str(out), "files": sorted(p.name for p in out.iterdir())}, args.json, str(out))
     return 0
 
 

@@ -88,7 +88,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no config file {path}")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error(path, e)) from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of config sections")
     return loaded
@@ -120,8 +123,25 @@ def set_dotted(data: dict[str, Any], cls: type, key: str, raw: str) -> None:
     `raw` verbatim for `str` fields (so `output.dir=001` stays "001")."""
     hint = _resolve(cls, key.split("."), key)
     # YAML parsing gives lists, null and numbers their types; a str field keeps the text verbatim.
-    value = raw if _base_type(hint) is str else yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = raw if _base_type(hint) is str else yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {key}={raw}: the value is not YAML: {problem}") from None
     _put(data, key, value)
+
+
+def yaml_error(path: str | Path, e: yaml.YAMLError) -> str:
+    """A YAML syntax error as `FILE:LINE: problem (column C; while ... at line L)`, 1-based."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return f"{path}: {problem}"
+    where = [f"column {mark.column + 1}"]
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        where.append(context + (f" started at line {context_mark.line + 1}" if context_mark else ""))
+    return f"{path}:{mark.line + 1}: {problem} ({'; '.join(where)})"
 
 
 def set_value(data: dict[str, Any], cls: type, key: str, value: Any) -> None:

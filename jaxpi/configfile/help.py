@@ -140,6 +140,43 @@ def add_config_help(parser: argparse.ArgumentParser, cls: type | Callable[[], ty
     parser.formatter_class = RawHelpFormatter if raw else HelpFormatter
 
 
+def key_defaults(cls: type, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Dotted key -> default of every key of `cls` that has one (`defaults` over the dataclass's);
+    no source is read, so a parser may ask for it when it is built."""
+    return {**_flat_defaults(cls), **(defaults or {})}
+
+
+def default_note(value: Any) -> str:
+    """ "(default: VALUE)" for a flag's help, VALUE as `show_value` writes it (argparse %-formats
+    help strings: a `%` in the value is doubled)."""
+    return f"(default: {show_value(value)})".replace("%", "%%")
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `action`'s --help line should state its default: it takes a value and has one
+    (`has_default`; an on/off switch, --help and --version have none to state)."""
+    if action.nargs == 0 or isinstance(action, (argparse._SubParsersAction, argparse._VersionAction)):
+        return False
+    return has_default(action.default) and action.default is not argparse.SUPPRESS
+
+
+def has_default(value: Any) -> bool:
+    """Whether a default is worth stating: not None, not an off switch, not an empty list or text."""
+    return value is not None and not isinstance(value, bool) and value not in ((), [], "")
+
+
+def add_defaults(parser: argparse.ArgumentParser) -> None:
+    """State every default in `parser`'s --help and its subcommands' (what argparse's
+    ArgumentDefaultsHelpFormatter does, for flags without a help string too and whatever
+    formatter a parser has): "(default: %(default)s)" after each help that does not say it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                add_defaults(child)
+        elif shows_default(action) and "default" not in (action.help or "").lower():
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "(default: %(default)s)"
+
+
 def show_value(value: Any) -> str:
     """A default as written in YAML or key=value: null, true, 3, "text", [1, 2]."""
     if value is None:

@@ -63,6 +63,7 @@ from jaxpi.rl.reward import CollectionScore, score_collection
 from jaxpi.rl.sampling import Sampler, open_engine
 from jaxpi.train.checkpoint import CheckpointStore, read_meta
 from jaxpi.train.metrics import MetricsLog
+from jaxpi.train.rundir import new_paths
 from jaxpi.train.schedule import lr_schedule
 
 
@@ -95,17 +96,20 @@ class Run:
 
 
 def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict[str, Any]:
-    """Train (or resume) the run in `cfg.output.dir`; returns the summary `--json` prints."""
-    run = start_run(cfg, progress=progress, out=out or sys.stdout)
+    """Train (or resume) the run in `cfg.output.dir`; returns the summary `--json` prints. A run
+    that fails before its first update leaves output.dir as it found it (jaxpi.train.rundir)."""
     summary: dict[str, Any] = {}
-    t_run = time.time()
-    try:
-        for s in range(run.start, cfg.train.collections):
-            summary = one_update(run, s, t_run)
-        # Always (re)done: a resume truncates the records of its own step, this one included.
-        summary = {**summary, **evaluate(run, cfg.train.collections)}
-    finally:
-        run.close()
+    with new_paths(cfg.output.dir) as made:
+        run = start_run(cfg, progress=progress, out=out or sys.stdout)
+        t_run = time.time()
+        try:
+            for s in range(run.start, cfg.train.collections):
+                summary = one_update(run, s, t_run)
+                made.keep()
+            # Always (re)done: a resume truncates the records of its own step, this one included.
+            summary = {**summary, **evaluate(run, cfg.train.collections)}
+        finally:
+            run.close()
     final = run.store.latest_step()
     return {
         "run_dir": str(run.run_dir),
@@ -257,8 +261,25 @@ def start_run(cfg: GRPOConfig, *, progress: bool, out: Any) -> Run:
     store = CheckpointStore(run_dir, keep=cfg.train.keep_checkpoints)
     start = store.latest_step() or 0
     config_dict = to_dict(cfg)
-    if start:
-        check_resume(run_dir, read_meta(store.step_dir(start))["config"], config_dict)
+    try:
+        if start:
+            check_resume(run_dir, read_meta(store.step_dir(start))["config"], config_dict)
+        return _open(cfg, run_dir, store, start, config_dict, progress, out)
+    except BaseException:
+        store.close()  # an open manager outlives the error otherwise (and its directory, removed)
+        raise
+
+
+def _open(
+    cfg: GRPOConfig,
+    run_dir: Path,
+    store: CheckpointStore,
+    start: int,
+    config_dict: dict[str, Any],
+    progress: bool,
+    out: Any,
+) -> Run:
+    """`start_run` past the checkpoint store: everything that may fail once the store is open."""
     write_text(run_dir / "config.json", json.dumps(config_dict, indent=2))
     run_info = {
         "name": cfg.output.name or run_dir.name,
@@ -294,7 +315,12 @@ def start_run(cfg: GRPOConfig, *, progress: bool, out: Any) -> Run:
         print(f"resumed from {store.step_dir(start)} (after update {start})", file=out, flush=True)
 
     engine, backend = open_engine(cfg, pol, run_dir, out)
-    collector = (entry.collector or Collector)(cfg, engine, tok, env, render_cfg)
+    try:
+        collector = (entry.collector or Collector)(cfg, engine, tok, env, render_cfg)
+    except BaseException:
+        if backend is not None:  # a vLLM server started for this run
+            backend.close()
+        raise
     sampler = Sampler(cfg, pol, programs.logp, engine, backend, collector, run_dir, store, out)
     attempts_path = run_dir / "attempts.jsonl"
     truncate_attempts(attempts_path, start)

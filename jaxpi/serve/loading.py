@@ -78,6 +78,7 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
             tok_dir = Path(meta.get("tokenizer") or base_dir)
     if cfg.tokenizer:
         tok_dir = Path(cfg.tokenizer)
+    check_tokenizer(tok_dir, given=bool(cfg.tokenizer))  # before the weights: a bad one fails fast
     _, model = load_hf(base_dir, jnp.dtype(cfg.dtype))
     if state is not None:
         # The adapter's structure comes from add_lora with the checkpoint's LoRA config; the saved
@@ -92,3 +93,19 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
                 raise ValueError("a PEFT --adapter goes on a HF base, not on a jaxpi checkpoint")
             load_peft(model, p)
     return Loaded(model, tok_dir, base_dir, tuple(str(p) for _, p in adapters))
+
+
+def check_tokenizer(tok_dir: Path, *, given: bool) -> None:
+    """The tokenizer serving renders chats with (loaded once: `load_tokenizer` caches it); one
+    without a chat template is a ValueError that says how to give another (`--tokenizer`)."""
+    from jaxpi.data.render import load_tokenizer
+
+    try:
+        load_tokenizer(str(tok_dir))
+    except (OSError, ValueError) as e:
+        if given:
+            raise ValueError(f"--tokenizer {tok_dir}: {e}") from None
+        raise ValueError(
+            f"{e}; give --tokenizer DIR, a tokenizer directory with a chat template "
+            "(the base model's, or jaxpi/assets/tiny_tokenizer for a tiny checkpoint)"
+        ) from None

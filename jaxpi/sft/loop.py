@@ -46,6 +46,7 @@ from jaxpi.sft.data import SFTData, prepare_data, report_text
 from jaxpi.train.base import prepare_base
 from jaxpi.train.checkpoint import CheckpointStore
 from jaxpi.train.metrics import MetricsLog
+from jaxpi.train.rundir import NewPaths, new_paths
 from jaxpi.train.schedule import lr_schedule, make_optimizer
 from jaxpi.train.step import (
     init_opt_state,
@@ -185,6 +186,7 @@ def open_run(cfg: SFTConfig) -> Run:
         meta = ocp.args.Composite(meta=ocp.args.JsonRestore())
         diffs = resume_diffs(store.manager.restore(start, args=meta)["meta"]["config"], config)
         if diffs:
+            store.close()
             raise ValueError(
                 f"{run_dir} holds a run with a different {', '.join(diffs)}; "
                 "resume with the same settings or choose another output.dir"
@@ -285,7 +287,20 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
     is kept, that step is not saved).
     """
     out = out or sys.stdout
-    run = open_run(cfg)
+    # A run that fails before its first step leaves output.dir as it found it (jaxpi.train.rundir).
+    with new_paths(cfg.output.dir) as made:
+        run = open_run(cfg)
+        try:
+            last, val_loss, tokens, seconds = _train(run, made, progress, out)
+        finally:
+            run.store.close()
+    return summary(run, last, val_loss, tokens / seconds if seconds else None)
+
+
+def _train(run: Run, made: NewPaths, progress: bool, out: Any) -> tuple[dict[str, Any], Any, float, float]:
+    """Set up the base, data and trainer of an open run, then train it; `made.keep()` after the
+    first step. Returns (the last step's record, the last val loss, tokens, seconds)."""
+    cfg = run.cfg
     options = {"max_value": cfg.data.toy_max_value}  # what a named toy base is pre-trained on
     base_dir = prepare_base(cfg.model, run.dir, seed=cfg.train.seed, options=options)
     model_cfg = QwenConfig.from_hf(base_dir).replace(**cfg.model.overrides())
@@ -322,12 +337,12 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
                 if val_loss is not None:
                     last["val_loss"] = val_loss
             log.write(last)
+            made.keep()
             if s % t.checkpoint_every == 0 or s == t.steps:
                 save(run, s)
     finally:
         log.close()
-        run.store.close()
-    return summary(run, last, val_loss, tokens / seconds if seconds else None)
+    return last, val_loss, tokens, seconds
 
 
 def step_record(

@@ -2,7 +2,14 @@
 effort level, drawn for GRPO runs (`jaxpi report`) and agent evaluations (`jaxpi eval`).
 
 matplotlib is imported on first use (Agg, files only), so importing this module stays light.
-A PNG is written beside its destination and renamed into place: a reader never sees half a PNG.
+Each picture is a builder that returns a `Figure` (`frontier_figure`; tests/test_plots.py checks
+them without writing files) and a `plot_*` that writes it. A PNG is written beside its
+destination and renamed into place: a reader never sees half a PNG.
+
+The pictures share three rules: an axis of steps has integer ticks (`step_axis`), every line
+style has a legend entry, and no two texts overlap: the figure is laid out first
+(`freeze_layout`), then point labels go where they cover no other text, marker or arrow
+(`place_labels`).
 """
 
 from __future__ import annotations
@@ -13,8 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxpi.atomic import atomic_file
 from jaxpi.stats.levels import Summary, initials
+
+# Offsets (points) tried for a point's label, nearest first: the four diagonals, then the sides,
+# then the same farther out.
+_RINGS = (7.0, 14.0, 24.0, 36.0, 52.0)
+_NEAR = 24.0  # a label this close may still move on to clear an error bar
+_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
 
 
 def pyplot() -> Any:
@@ -35,6 +50,116 @@ def colours(n: int) -> list[Any]:
     return [cmap(i % 10) for i in range(n)]
 
 
+def new_figure(figsize: tuple[float, float]) -> Any:
+    """A `Figure` with constrained layout on an Agg canvas, outside pyplot's registry (nothing to
+    close; a test can draw it and read every text's extent)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def step_axis(ax: Any, steps: Sequence[int], label: str = "step (policy updates)") -> None:
+    """An x axis of update counts: integer ticks only (never 0.25 of an update), and a view at
+    least one step wide, so that a single step still gets its tick."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if steps:
+        lo, hi = min(steps), max(steps)
+        pad = max(0.5, 0.05 * (hi - lo))  # matplotlib's 5% margin, or half a step
+        ax.set_xlim(lo - pad, hi + pad)
+    ax.set_xlabel(label)
+
+
+def figure_legend(fig: Any, axes: Sequence[Any], *, ncol: int = 4) -> Any:
+    """One legend below the axes for every labelled line of `axes`: each (label, style) once, so
+    two runs of one name still get an entry each."""
+    handles: dict[tuple, tuple[Any, str]] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault((label, *_style(handle)), (handle, label))
+    if not handles:
+        return None
+    return fig.legend(
+        [h for h, _ in handles.values()],
+        [label for _, label in handles.values()],
+        loc="outside lower center",
+        ncol=min(ncol, len(handles)),
+        fontsize="small",
+    )
+
+
+def _style(artist: Any) -> tuple:
+    """What tells two lines apart in a legend: colour, alpha, line style, marker."""
+    if not hasattr(artist, "get_linestyle") or not hasattr(artist, "get_marker"):
+        return (id(artist),)
+    return (str(artist.get_color()), artist.get_alpha(), artist.get_linestyle(), artist.get_marker())
+
+
+def freeze_layout(fig: Any) -> Any:
+    """Run the layout once and keep it (labels placed afterwards stay where they were put);
+    returns the renderer that measured it."""
+    fig.draw_without_rendering()  # the layout and every text's place, no pixels
+    fig.set_layout_engine("none")
+    return fig.canvas.get_renderer()
+
+
+def place_labels(fig: Any, ax: Any, labels: Sequence[tuple[float, float, str, dict[str, Any]]]) -> None:
+    """Annotate each (x, y, text, style) next to its point, inside `ax`, where it covers no other
+    text of the figure and no marker or arrow of `ax`: the nearest such offset that also misses
+    the error bars when one is within 24 points, else the nearest that misses the rest (over an
+    error bar), else where it covers least. Call with the figure otherwise finished: the layout is
+    frozen first (`freeze_layout`), as offsets are in points."""
+    renderer = freeze_layout(fig)
+    boxes = [t.get_window_extent(renderer) for t in visible_texts(fig)]
+    boxes += [g.get_window_extent(renderer) for g in [*fig.legends, *[a.get_legend() for a in fig.axes]] if g]
+    hard = _extents(boxes + _marks(ax, renderer))
+    soft = _extents(_bars(ax, renderer))
+    inside = ax.get_window_extent(renderer)
+    for x, y, text, style in labels:
+        tried = []  # (hard cost, soft cost, ring, annotation) in the order tried
+        for ring, r in enumerate(_RINGS):
+            for dx, dy in _DIRECTIONS:
+                note = ax.annotate(
+                    text,
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(dx * r, dy * r),
+                    ha={1: "left", -1: "right", 0: "center"}[dx],
+                    va={1: "bottom", -1: "top", 0: "center"}[dy],
+                    **style,
+                )
+                box = note.get_window_extent(renderer)
+                cost = _covered(box, hard) + (0.0 if _within(box, inside) else 1e6)
+                tried.append((cost, _covered(box, soft), ring, note))
+                if cost == 0 and tried[-1][1] == 0 and r <= _NEAR:
+                    break
+            if tried[-1][0] == 0 and tried[-1][1] == 0 and r <= _NEAR:
+                break
+        free = [t for t in tried if t[0] == 0 and t[1] == 0 and _RINGS[t[2]] <= _NEAR]
+        clear = [t for t in tried if t[0] == 0]
+        best = free[0] if free else clear[0] if clear else min(tried, key=lambda t: t[0])
+        for t in tried:
+            if t is not best:
+                t[3].remove()
+        hard = np.vstack([hard, _extents([best[3].get_window_extent(renderer)])])
+
+
+def visible_texts(fig: Any) -> list[Any]:
+    """Every visible, non-empty text of the figure: titles, axis and tick labels, annotations,
+    legend entries, the figure's own texts."""
+    from matplotlib.text import Text
+
+    return [
+        t
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and (t.axes is None or t.axes.get_visible())
+    ]
+
+
 def save_png(fig: Any, path: str | os.PathLike) -> Path:
     """Write the figure as a PNG atomically, with the umask's permissions (not mkstemp's 0600)."""
     path = Path(path)
@@ -43,10 +168,70 @@ def save_png(fig: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def _frontier_layer(ax: Any, s: Summary, colour: Any, alpha: float, label: str | None) -> None:
-    """One summary on the pass-rate / reasoning-tokens plane: points, both intervals, arrows."""
+def _marks(ax: Any, renderer: Any) -> list[Any]:
+    """Window boxes of the markers of `ax`'s lines and of points along its arrows (annotations
+    without text): what a label must not cover."""
+    from matplotlib.transforms import Bbox
+
+    out = []
+    size = 4.0 * renderer.points_to_pixels(1.0)
+    for line in ax.lines:
+        if line.get_marker() in (None, "None", "", " "):
+            continue
+        for px, py in ax.transData.transform(line.get_xydata()):
+            out.append(Bbox.from_extents(px - size, py - size, px + size, py + size))
+    for child in ax.texts:
+        if child.get_text() or getattr(child, "xyann", None) is None or child.arrow_patch is None:
+            continue
+        (x0, y0), (x1, y1) = ax.transData.transform([child.xyann, child.xy])
+        for f in (0.25, 0.4, 0.55, 0.7):
+            px, py = x0 + f * (x1 - x0), y0 + f * (y1 - y0)
+            out.append(Bbox.from_extents(px - 2, py - 2, px + 2, py + 2))
+    return out
+
+
+def _bars(ax: Any, renderer: Any) -> list[Any]:
+    """Small window boxes along the error bars of `ax` (its line collections), every ~4 pixels."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.transforms import Bbox
+
+    out = []
+    for coll in ax.collections:
+        if not isinstance(coll, LineCollection):
+            continue
+        for seg in coll.get_segments():
+            (x0, y0), (x1, y1) = ax.transData.transform(seg[[0, -1]])
+            n = max(2, int(max(abs(x1 - x0), abs(y1 - y0)) / 4))
+            for f in (i / (n - 1) for i in range(n)):
+                px, py = x0 + f * (x1 - x0), y0 + f * (y1 - y0)
+                out.append(Bbox.from_extents(px - 1.5, py - 1.5, px + 1.5, py + 1.5))
+    return out
+
+
+def _extents(boxes: Sequence[Any]) -> np.ndarray:
+    """Window boxes as rows (x0, y0, x1, y1)."""
+    return np.array([[b.x0, b.y0, b.x1, b.y1] for b in boxes], float).reshape(-1, 4)
+
+
+def _covered(box: Any, others: np.ndarray) -> float:
+    """The area of `box` that `others` (rows x0, y0, x1, y1) cover, summed over them."""
+    w = np.minimum(box.x1, others[:, 2]) - np.maximum(box.x0, others[:, 0])
+    h = np.minimum(box.y1, others[:, 3]) - np.maximum(box.y0, others[:, 1])
+    return float(np.sum(np.clip(w, 0, None) * np.clip(h, 0, None)))
+
+
+def _within(box: Any, outer: Any) -> bool:
+    return box.x0 >= outer.x0 and box.x1 <= outer.x1 and box.y0 >= outer.y0 and box.y1 <= outer.y1
+
+
+def _frontier_layer(
+    ax: Any, s: Summary, colour: Any, alpha: float, label: str | None
+) -> list[tuple[float, float, str, dict[str, Any]]]:
+    """One summary on the pass-rate / reasoning-tokens plane: points, both intervals, arrows
+    L→M→X; returns the level labels for `place_labels`."""
     ini = initials(s.levels)
     pts = []
+    labels = []
     for e, tag in zip(s.levels, ini, strict=True):
         st = s.stats[e]
         if st.pass_rate is None or st.reasoning_tokens is None:
@@ -63,9 +248,7 @@ def _frontier_layer(ax: Any, s: Summary, colour: Any, alpha: float, label: str |
             capsize=3,
             label=label if not pts else None,
         )
-        ax.annotate(
-            tag, (x.value, y.value), textcoords="offset points", xytext=(6, 6), color=colour, alpha=alpha
-        )
+        labels.append((x.value, y.value, tag, {"color": colour, "alpha": alpha}))
         pts.append((x.value, y.value))
     for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         ax.annotate(
@@ -81,28 +264,37 @@ def _frontier_layer(ax: Any, s: Summary, colour: Any, alpha: float, label: str |
                 "shrinkB": 6,
             },
         )
+    return labels
 
 
-def plot_frontier(runs: Sequence[tuple[Summary, Summary]], path: str | os.PathLike) -> Path:
+def frontier_figure(runs: Sequence[tuple[Summary, Summary]]) -> Any:
     """Pass rate vs mean reasoning tokens per attempt: per run its (first, last) summaries, one point
-    per level with both 95% intervals and arrows L→M→X, the first faded and the last solid."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    per level with both 95% intervals and arrows L→M→X, the first faded and the last solid; the
+    level labels placed clear of each other (`place_labels`), the legend beside the axes."""
+    fig = new_figure((8.5, 5))
+    ax = fig.subplots()
     cols = colours(len(runs))
+    solid, faded = [], []
     for i, ((first, last), colour) in enumerate(zip(runs, cols, strict=True)):
         if i == 0 and first.step != last.step:
             # With several runs the first run's start is the common start, drawn once in grey.
             start_colour = "0.45" if len(runs) > 1 else colour
-            _frontier_layer(ax, first, start_colour, 0.4, f"start (step {first.step})")
-        _frontier_layer(ax, last, colour, 1.0, f"{last.run} (step {last.step})")
+            faded += _frontier_layer(ax, first, start_colour, 0.4, f"start (step {first.step})")
+        solid += _frontier_layer(ax, last, colour, 1.0, f"{last.run} (step {last.step})")
+    if not solid + faded:
+        ax.text(0.5, 0.5, "no level has an admitted attempt", ha="center", transform=ax.transAxes)
     ax.set_xlabel("mean reasoning tokens per attempt")
     ax.set_ylabel("pass rate")
     ax.set_ylim(-0.02, 1.08)  # room for the level labels above a 100% point
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize="small")
     split = runs[0][1].split
     ax.set_title(f"Pass rate vs reasoning by effort level ({split}, 95% intervals)")
-    try:
-        return save_png(fig, path)
-    finally:
-        plt.close(fig)
+    place_labels(fig, ax, solid + faded)  # the solid layer's labels first: they get the nearest spots
+    return fig
+
+
+def plot_frontier(runs: Sequence[tuple[Summary, Summary]], path: str | os.PathLike) -> Path:
+    """Write `frontier_figure(runs)` as a PNG at `path`."""
+    return save_png(frontier_figure(runs), path)
