@@ -43,7 +43,7 @@ SMALL = [
     "train.eval_every=0",
     "train.eval_group=1",
     "env.eval_tasks=2",
-    "output.tensorboard=false",
+    "output.loggers=[]",
 ]
 
 
@@ -63,7 +63,7 @@ def sft_dir(tmp_path_factory):
             f"train.steps={SFT_STEPS}",
             "train.eval_every=0",
             f"train.checkpoint_every={SFT_STEPS}",
-            "output.tensorboard=false",
+            "output.loggers=[]",
         ],
     )
     run_sft(cfg, progress=False, out=sys.stderr)
