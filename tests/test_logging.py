@@ -87,7 +87,7 @@ def test_collection_progress_is_bounded_and_always_ends(gaps, successes, every):
     watch.end()
     n = len(gaps)
     wins = sum(successes[:n])
-    assert lines[-1].startswith(f"collection 1/2: {n}/{n} attempts, pass {wins / n:.2f} so far, ")
+    assert lines[-1].startswith(f"collection 1/2: {n}/{n} attempts, {wins} passed ({wins / n:.2f}), ")
     done = [int(re.match(r"collection 1/2: (\d+)/", x).group(1)) for x in lines[:-1]]
     assert done == sorted(set(done)) and all(d < n for d in done)
     # No two lines closer than `every` seconds (the final one aside); with 0, one per attempt.

@@ -1,7 +1,8 @@
-"""A GRPO collection's progress while it runs: attempts done of those scheduled, the pass rate
-so far (successes over finished attempts), sampled tokens per second.
+"""A GRPO collection's progress while it runs: attempts done of those scheduled, the successes
+among them (the pass rate so far, over finished attempts, admitted or not), sampled tokens per
+second of the finished attempts.
 
-    collection 3/20: 48/96 attempts, pass 0.42 so far, 1234 tok/s, 0:02:05
+    collection 3/20: 48/96 attempts, 20 passed (0.42), 1234 tok/s, 0:02:05
 
 The collector calls `done(success, tokens)` as each attempt ends (from any thread); a line goes
 to `emit` at most every `every_s` seconds and always at the end, so an hours-long collection
@@ -65,6 +66,6 @@ class CollectionProgress:
         elapsed = now - self.t0
         rate = f"{self.successes / self.attempts:.2f}" if self.attempts else "-"
         return (
-            f"{self.label}: {self.attempts}/{self.scheduled} attempts, pass {rate} so far, "
+            f"{self.label}: {self.attempts}/{self.scheduled} attempts, {self.successes} passed ({rate}), "
             f"{self.tokens / max(elapsed, 1e-9):.0f} tok/s, {clock_text(elapsed)}"
         )

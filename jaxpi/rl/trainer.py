@@ -68,7 +68,7 @@ from jaxpi.rl.reward import CollectionScore, score_collection
 from jaxpi.rl.sampling import Sampler, open_engine
 from jaxpi.train.checkpoint import CheckpointStore, read_meta
 from jaxpi.train.loggers import require_loggers
-from jaxpi.train.metrics import MetricsLog
+from jaxpi.train.metrics import MetricsLog, read_jsonl
 from jaxpi.train.schedule import lr_schedule
 
 
@@ -115,6 +115,8 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
             summary = one_update(run, s, t_run)
     finally:
         run.close()
+    if not summary and run.log.path.exists():  # resumed after the last update: its record
+        summary = (read_jsonl(run.log.path) or [{}])[-1]
     final = run.store.latest_step()
     return {
         "run_dir": str(run.run_dir),
