@@ -114,6 +114,15 @@ def test_truncate_attempts_keeps_earlier_steps_and_drops_a_torn_line(tmp_path):
     with pytest.raises(ValueError, match=r"attempts.jsonl:2"):
         truncate_attempts(p, 5)
     assert truncate_attempts(tmp_path / "none.jsonl", 3) == 0
+    # The evaluation after update 2 ran before checkpoint 2: a resume from it keeps that evaluation
+    # (and redoes collection 2); a run without a checkpoint keeps nothing, the step-0 evaluation too.
+    recs = [{"split": split, "step": s} for s in range(4) for split in ("eval", "train")]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert truncate_attempts(p, 2) == 5
+    assert [(r["split"], r["step"]) for r in map(json.loads, p.read_text().splitlines())] == [
+        ("eval", 0), ("train", 0), ("eval", 1), ("train", 1), ("eval", 2),
+    ]  # fmt: skip
+    assert truncate_attempts(p, 0) == 0
 
 
 def test_changed_keys():

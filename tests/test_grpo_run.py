@@ -4,7 +4,10 @@ unkeyed sessions with values 0-1 and 1-4 phrases of reasoning at every level: th
 in the right format, and within a group the lengths differ, so the effort-ordered reward of low
 and medium attempts varies), then GRPO runs in subprocesses — uninterrupted, SIGKILLed and resumed (must repeat the uninterrupted run
 exactly), resumed with a changed reward (refused) — and `jaxpi report` on the result. These check
-the machinery, not learning (the toy-scale result is `make demo-full`).
+the machinery, not learning (the toy-scale result is `make demo-full`). The uninterrupted run's
+stderr is a file, as under nohup or SLURM: it logs plain lines (every other update, and its
+collections' progress), and its evaluations reach metrics.jsonl and TensorBoard at the steps they
+describe (0 and the last) under the same eval/ keys.
 """
 
 import json
@@ -21,7 +24,9 @@ import pytest
 
 from jaxpi.configfile import load_config
 from jaxpi.sft import SFTConfig, run_sft
+from jaxpi.testing.run_logs import tensorboard_scalars
 from jaxpi.train.checkpoint import load_adapter
+from jaxpi.train.loggers import scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIONS = 2
@@ -43,7 +48,9 @@ SMALL = [
     "train.eval_every=0",
     "train.eval_group=1",
     "env.eval_tasks=2",
-    "output.tensorboard=false",
+    "output.loggers=[tensorboard]",
+    "train.log_every=1",
+    "train.collection_log_s=0",  # a progress line at every finished attempt
 ]
 
 
@@ -63,7 +70,7 @@ def sft_dir(tmp_path_factory):
             f"train.steps={SFT_STEPS}",
             "train.eval_every=0",
             f"train.checkpoint_every={SFT_STEPS}",
-            "output.tensorboard=false",
+            "output.loggers=[]",
         ],
     )
     run_sft(cfg, progress=False, out=sys.stderr)
@@ -134,18 +141,21 @@ def runs(sft_dir, tmp_path_factory):
     )
     deadline = time.time() + 900
     while (
-        p_straight.poll() is None and time.time() < deadline and not lines_if(straight_out / "metrics.jsonl")
+        p_straight.poll() is None
+        and time.time() < deadline
+        and len(lines_if(straight_out / "metrics.jsonl")) < 2
     ):
-        time.sleep(0.2)
+        time.sleep(0.2)  # the step-0 evaluation and the first update
     p_killed = subprocess.Popen(
         command(sft_dir, killed_out), env=environ(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    kill_after(p_killed, killed_out / "metrics.jsonl", COLLECTIONS - 1)
+    kill_after(p_killed, killed_out / "metrics.jsonl", COLLECTIONS)  # step 0 and update 1
     stdout, _ = p_straight.communicate(timeout=900)
     log.close()
     assert p_straight.returncode == 0, (root / "straight.stderr").read_text()[-3000:]
     return {
         "straight": (straight_out, json.loads(stdout)),
+        "stderr": (root / "straight.stderr").read_text(),
         "killed": (killed_out, p_killed.returncode),
         "cache": cache,
     }
@@ -161,8 +171,9 @@ def test_uninterrupted_run(straight, sft_dir):
     assert summary["collections"] == COLLECTIONS and summary["checkpoint"].endswith(
         f"checkpoints/{COLLECTIONS}"
     )
-    metrics = lines(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, COLLECTIONS + 1))
+    records = lines(out / "metrics.jsonl")
+    assert [m["step"] for m in records] == list(range(COLLECTIONS + 1))
+    metrics = records[1:]  # the updates'
     attempts = lines(out / "attempts.jsonl")
     train = [a for a in attempts if a["split"] == "train"]
     evals = [a for a in attempts if a["split"] == "eval"]
@@ -202,6 +213,54 @@ def test_uninterrupted_run(straight, sft_dir):
     assert max(moved) > 1e-4
 
 
+def test_evaluations_are_logged_at_their_steps_under_one_name(straight):
+    """Step 0 is the evaluation before any update; the last update's record holds the evaluation
+    after it; TensorBoard holds every record's numbers under the metrics.jsonl keys."""
+    out, summary = straight
+    records = lines(out / "metrics.jsonl")
+    evals = [sorted(k for k in r if k.startswith("eval/")) for r in records]
+    assert evals[0] and evals[-1] == evals[0] and not any(evals[1:-1])
+    assert set(records[0]) == {"step", "time", *evals[0]}
+    assert "eval/level/low/pass_rate_scheduled" in evals[0]
+    assert summary["last"] == {k: v for k, v in records[-1].items() if isinstance(v, (int, float))}
+    # The eval/ numbers are those of the attempts recorded at that step.
+    attempts = lines(out / "attempts.jsonl")
+    for r in (records[0], records[-1]):
+        low = [a for a in attempts if a["split"] == "eval" and a["step"] == r["step"] and a["level"] == "low"]
+        assert r["eval/level/low/pass_rate_scheduled"] == pytest.approx(
+            sum(a["success"] for a in low) / len(low)
+        )
+    want = {(r["step"], k): v for r in records for k, v in scalars(r).items()}
+    assert tensorboard_scalars(out / "tb") == pytest.approx(want)
+    assert not any(k.startswith("train/") for _, k in want)
+
+
+def test_plain_lines_without_a_terminal(runs):
+    """stderr is a file: a line every train.log_every=1 update (SFT's test: every 4 and the last), and progress
+    lines inside every collection (collection_log_s=0: one per finished attempt, then the end,
+    whose count of passed attempts is that of attempts.jsonl)."""
+    err = runs["stderr"]
+    steps = [x for x in err.splitlines() if x.startswith("step ")]
+    assert [x.split(" |")[0] for x in steps] == [
+        f"step {k}/{COLLECTIONS}" for k in range(1, COLLECTIONS + 1)
+    ], err[-3000:]
+    for x in steps:
+        assert " | loss " in x and " | lr " in x and " | grad norm " in x and " tok/s | " in x
+        assert " elapsed, ETA " in x and "pass/reasoning low " in x
+    attempts = lines(runs["straight"][0] / "attempts.jsonl")
+    collections = [
+        *((f"eval after {k} updates", "eval", k) for k in (0, COLLECTIONS)),
+        *((f"collection {k + 1}/{COLLECTIONS}", "train", k) for k in range(COLLECTIONS)),
+    ]
+    for label, split, step in collections:
+        mine = [a for a in attempts if a["split"] == split and a["step"] == step]
+        said = [x[len(label) + 2 :] for x in err.splitlines() if x.startswith(f"{label}: ")]
+        n = len(mine)
+        assert [int(x.split("/")[0]) for x in said] == list(range(1, n + 1)), (label, said)
+        assert said[-1].startswith(f"{n}/{n} attempts, {sum(a['success'] for a in mine)} passed ("), said[-1]
+    assert "\r" not in err
+
+
 def test_resume_after_sigkill_is_exact(runs, sft_dir):
     out_straight, _ = runs["straight"]
     out, returncode = runs["killed"]
@@ -216,9 +275,10 @@ def test_resume_after_sigkill_is_exact(runs, sft_dir):
     # Restored state lowers like fresh state: the resume loaded every program from the cache.
     assert compiled_programs(runs["cache"]) == programs
     a, b = lines(out_straight / "metrics.jsonl"), lines(out / "metrics.jsonl")
-    assert [(m["step"], m["loss"], m["grad_norm"]) for m in a] == [
-        (m["step"], m["loss"], m["grad_norm"]) for m in b
+    assert [(m["step"], m.get("loss"), m.get("grad_norm")) for m in a] == [
+        (m["step"], m.get("loss"), m.get("grad_norm")) for m in b
     ]
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
     assert lines(out_straight / "attempts.jsonl") == lines(out / "attempts.jsonl")
     for x, y in zip(
         jax.tree.leaves(load_adapter(out_straight)[0]), jax.tree.leaves(load_adapter(out)[0]), strict=True

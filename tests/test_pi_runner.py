@@ -365,7 +365,7 @@ def sft_ckpt(workdir, base, untrained):
             "train.eval_every=0",
             f"train.checkpoint_every={SFT_STEPS}",
             f"output.dir={workdir / 'sft'}",
-            "output.tensorboard=false",
+            "output.loggers=[]",
         ],
     )
     summary = run_sft(cfg, progress=False, out=sys.stderr)
@@ -406,7 +406,7 @@ def collected(workdir, task, sft_ckpt):
             "engine_batch": 1,
         },
         "train": {"collections": 1, "eval_group": 0, "checkpoint_every": 1},
-        "output": {"dir": str(workdir / "grpo"), "tensorboard": False},
+        "output": {"dir": str(workdir / "grpo"), "loggers": []},
     }
     cfg = from_dict(GRPOConfig, overrides)
     attempts_dir = workdir / "collect"

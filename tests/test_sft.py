@@ -4,11 +4,14 @@ The command runs in subprocesses on configs/sft/tiny.yaml with a few overrides (
 synthetic 64-token data so each step takes milliseconds, 10 steps): one uninterrupted run, one
 SIGKILLed past its second checkpoint and restarted, one whose weights turn NaN before a step, one
 sharded. JAX's persistent compilation cache is shared between them, so only the first pays the
-full compile.
+full compile. The uninterrupted run's stderr is a pipe, as under nohup or SLURM: it logs plain
+lines, and its records reach TensorBoard (and offline W&B and MLflow, when installed) under their
+metrics.jsonl keys.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -32,7 +35,9 @@ from jaxpi.hf_fixtures import seeded_noise
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.sft.data import split_by_session, synthetic_examples
+from jaxpi.testing.run_logs import mlflow_metrics, tensorboard_scalars, wandb_offline_history
 from jaxpi.train.checkpoint import load_adapter
+from jaxpi.train.loggers import scalars
 from jaxpi.train.metrics import read_jsonl, truncate_jsonl
 from jaxpi.train.schedule import OptimConfig, lr_schedule, make_optimizer
 from jaxpi.train.step import interleave_microbatches, make_train_step, next_token_loss, target_weights
@@ -40,6 +45,8 @@ from jaxpi.train.step import interleave_microbatches, make_train_step, next_toke
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "sft" / "tiny.yaml"
 STEPS, EVERY = 10, 3  # checkpoints at 3, 6, 9 and 10
+# The optional loggers the uninterrupted run also writes to, offline, where installed.
+OPTIONAL_LOGGERS = [n for n in ("wandb", "mlflow") if importlib.util.find_spec(n) is not None]
 
 
 # ---- pure pieces ----------------------------------------------------------------------------------
@@ -233,7 +240,10 @@ def env(tmp_path_factory):
         JAXPI_COMPILE_CACHE=str(root / "jax-cache"),  # the resumed runs load the programs
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         HOOK_LOG=str(root / "hook.jsonl"),
+        WANDB_MODE="offline",  # W&B writes under the run's wandb/, MLflow to its mlruns/
     )
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_DIR"):
+        environ.pop(name, None)
     return SimpleNamespace(root=root, base=base, environ=environ)
 
 
@@ -267,10 +277,11 @@ def losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def straight(env):
-    """One uninterrupted run, with the eval hook."""
+    """One uninterrupted run, with the eval hook, a log line every 4 steps and every logger."""
     out = env.root / "straight"
-    proc = run(env, out, "train.eval_hook=hookmod:record")
-    return SimpleNamespace(out=out, summary=json.loads(proc.stdout))
+    loggers = ",".join(["tensorboard", *OPTIONAL_LOGGERS])
+    proc = run(env, out, "train.eval_hook=hookmod:record", "train.log_every=4", f"output.loggers=[{loggers}]")
+    return SimpleNamespace(out=out, summary=json.loads(proc.stdout), stderr=proc.stderr)
 
 
 def test_uninterrupted_run(env, straight):
@@ -292,7 +303,18 @@ def test_uninterrupted_run(env, straight):
     assert hook[-1]["dir"] == str(out / "checkpoints" / "10")
     report = json.loads((out / "data_report.json").read_text())
     assert report["train_examples"] + report["val_examples"] == 48 and report["packing"]["efficiency"] > 0.5
-    assert list((out / "tb").iterdir()), "no TensorBoard events"
+    # stderr is a pipe: no bar, a plain line every train.log_every=4 steps and at the last.
+    logged = [x for x in straight.stderr.splitlines() if x.startswith("step ")]
+    tail = straight.stderr[-2000:]
+    assert [x.split(" |")[0] for x in logged] == ["step 4/10", "step 8/10", "step 10/10"], tail
+    for line, r in zip(logged, (records[3], records[7], records[9]), strict=True):
+        assert f"| loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | " in line
+        assert " tok/s | " in line and " elapsed, ETA " in line
+    assert logged[-1].endswith("ETA 0:00:00") and "\r" not in straight.stderr
+    # TensorBoard: every number of every record, under its metrics.jsonl key, at its step.
+    want = {(r["step"], k): v for r in records for k, v in scalars(r).items()}
+    assert tensorboard_scalars(out / "tb") == pytest.approx(want)
+    assert {s for s, k in want if k == "val_loss"} == {5, 10}
     assert list((env.root / "jax-cache").iterdir()), "`jaxpi sft` stored no compiled program"
     # The adapter loads for export, with the metadata it needs.
     adapter, lora_cfg, meta = load_adapter(out)
@@ -304,6 +326,16 @@ def test_uninterrupted_run(env, straight):
         for p, v in nnx.to_flat_state(adapter)
         if "lora_b" in str(p[-1])
     )
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_offline_wandb_and_mlflow_hold_the_run_records(straight, name):
+    if name not in OPTIONAL_LOGGERS:
+        pytest.skip(f"{name} is not installed (pip install 'jaxpi[{name}]')")
+    records = read_jsonl(straight.out / "metrics.jsonl")
+    want = {(r["step"], k): v for r in records for k, v in scalars(r).items()}
+    got = wandb_offline_history(straight.out) if name == "wandb" else mlflow_metrics(straight.out / "mlruns")
+    assert got == pytest.approx(want)
 
 
 def compiled_programs(env) -> set[str]:

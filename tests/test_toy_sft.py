@@ -228,7 +228,7 @@ def test_sft_on_toy_lookup_then_evaluate(tmp_path):
             "train.eval_every=0",
             "train.checkpoint_every=2",
             f"output.dir={tmp_path / 'run'}",
-            "output.tensorboard=false",
+            "output.loggers=[]",
         ],
     )
     assert cfg.data.source == "toy_lookup" and cfg.data.seq_len >= 512

@@ -26,7 +26,7 @@ budget or the token budget (admitted failures: the model ran out of room, which 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from jaxpi.data.render import RenderConfig
@@ -169,6 +169,7 @@ def run_attempts(
     max_tokens: int = 1024,
     max_context: int | None = None,
     seed: int = 0,
+    on_end: Callable[[bool, int], Any] | None = None,
 ) -> list[Trajectory]:
     """Run one attempt per (task, level), all sessions batched, and score each once.
 
@@ -176,6 +177,7 @@ def run_attempts(
     token is always a stop token. `max_tokens` caps sampled tokens per attempt (over all turns),
     `max_context` the session length (default: the engine's `max_len`, when it has one); a task's
     own `limits` tighten both budgets. `seed` is handed to `env.reset` (plus the attempt's index).
+    `on_end(success, sampled tokens)` is called as each attempt ends (a collection's progress).
     """
     if max_turns < 1 or max_tokens < 1:
         raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns}, {max_tokens}")
@@ -248,6 +250,10 @@ def run_attempts(
                 )
                 for i, comp in zip(members, comps, strict=True):
                     _take_turn(runs[i], comp, tpl, env, think_open, think_close)
+            if on_end is not None:
+                for i in live:
+                    if runs[i].end is not None:
+                        on_end(runs[i].success, runs[i].output)
             round_ += 1
     finally:
         engine.close(sessions)

@@ -15,7 +15,7 @@ end the model did not decide.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,10 @@ class Collector:
         self.cfg, self.engine, self.tok, self.env, self.render_cfg = cfg, engine, tokenizer, env, render_cfg
         self.versions: list[int | None] = []  # policy version of each attempt of the last `run`
 
-    def run(self, tasks: Sequence[Any], group: int, seed: int) -> list[Trajectory]:
+    def run(
+        self, tasks: Sequence[Any], group: int, seed: int, progress: Callable[[bool, int], Any] | None = None
+    ) -> list[Trajectory]:
+        """Every task at every level, `group` attempts each; `progress(success, tokens)` as each ends."""
         c = self.cfg.collect
         pairs = [(t, level) for t in tasks for level in self.cfg.reward.levels for _ in range(group)]
         wave = min(len(pairs), c.engine_batch or self.engine.batch_size)
@@ -73,6 +76,7 @@ class Collector:
                 max_tokens=c.max_tokens,
                 max_context=c.max_context,
                 seed=seed + start,
+                on_end=progress,
             )
             # None: the engine does not track versions (JaxEngine holds the current policy by construction).
             self.versions += [getattr(self.engine, "policy_version", None)] * (len(out) - len(self.versions))

@@ -17,6 +17,7 @@ from jaxpi.lora import LoraConfig
 from jaxpi.rl.loss import GRPOLossConfig
 from jaxpi.rl.reward import RewardConfig
 from jaxpi.train.base import ModelConfig
+from jaxpi.train.loggers import logger_errors
 from jaxpi.train.schedule import OptimConfig
 
 # The environments are registered in `jaxpi.rl.envs` ("pi": Pi sessions, `jaxpi.rl.pi_env`); the
@@ -131,12 +132,22 @@ class GRPOTrainConfig:
     keep_checkpoints: int = 3
     eval_every: int = 0  # evaluation collection every N updates; 0 = at the start and the end only
     eval_group: int = 2  # attempts per (held-out task, level)
+    # a plain log line every N updates (and at the last) when stderr is not a terminal or with
+    # --json; on a terminal the per-level line above the progress bar; 0 = none
+    log_every: int = 1
+    # during a collection, a progress line (attempts done, pass rate, tok/s) at most every N seconds
+    # and at its end; 0 = at every finished attempt
+    collection_log_s: float = 30.0
 
     def __post_init__(self) -> None:
         errors = []
         for name in ("collections", "grad_accum", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.log_every < 0 or not self.collection_log_s >= 0:
+            errors.append(
+                f"train.log_every and train.collection_log_s must be >= 0, got {self.log_every}, {self.collection_log_s}"
+            )
         if self.eval_every < 0 or self.eval_group < 0:
             errors.append(
                 f"train.eval_every and train.eval_group must be >= 0, got {self.eval_every}, {self.eval_group}"
@@ -150,8 +161,15 @@ class GRPOTrainConfig:
 @dataclasses.dataclass(frozen=True)
 class GRPOOutputConfig:
     dir: str = "runs/grpo"
-    name: str = ""  # display name in reports; "" = the directory's name
-    tensorboard: bool = True
+    name: str = ""  # display name in reports (and the W&B / MLflow run); "" = the directory's name
+    # where metrics records go besides <dir>/metrics.jsonl: tensorboard (<dir>/tb), wandb, mlflow
+    # (the extras jaxpi[wandb], jaxpi[mlflow]; docs/grpo.md, "Logging"); [] = metrics.jsonl only
+    loggers: tuple[str, ...] = ("tensorboard",)
+
+    def __post_init__(self) -> None:
+        errors = logger_errors(self.loggers)
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,9 @@ class PiCollector:
             seed=seed,
         )
 
-    def run(self, tasks: Sequence[Task], group: int, seed: int) -> list[Trajectory]:
+    def run(
+        self, tasks: Sequence[Task], group: int, seed: int, progress: Callable[[bool, int], Any] | None = None
+    ) -> list[Trajectory]:
         # Ids are unique across collections: the gateway keys every record by them.
         n = next(self._counter)
         jobs = [
@@ -161,6 +163,7 @@ class PiCollector:
             cfg=self.runner_config(seed),
             trace=self._trace,
             key=self._key,  # each attempt's calls reach the gateway under a token of its own
+            progress=None if progress is None else lambda rec: progress(rec.success, rec.output_tokens),
         )
         self.records = recs
         out, merged = [], []

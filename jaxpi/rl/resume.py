@@ -79,9 +79,12 @@ def check_resume(run_dir: Path, saved: dict[str, Any], current: dict[str, Any]) 
         )
 
 
-def truncate_attempts(path: Path, keep_below: int) -> int:
-    """Keep the records of steps < keep_below (a resumed run redoes the rest); drop a torn last
-    line. Returns the number kept."""
+def truncate_attempts(path: Path, start: int) -> int:
+    """Keep what the checkpoint after `start` updates had seen: the training attempts of the
+    collections before it (steps < start) and the evaluations up to it (steps <= start: the
+    evaluation after an update runs before its checkpoint), nothing for a run without a
+    checkpoint (start 0); a resumed run redoes the rest. Drops a torn last line. Returns the
+    number kept."""
     if not path.exists():
         return 0
     kept = []
@@ -93,7 +96,7 @@ def truncate_attempts(path: Path, keep_below: int) -> int:
             if i == len(lines) - 1:  # a kill mid-write tears only the last line
                 break
             raise ValueError(f"{path}:{i + 1}: not a JSON record") from None
-        if rec["step"] < keep_below:
+        if rec["step"] < start or (rec.get("split") == "eval" and 0 < rec["step"] == start):
             kept.append(line)
     write_text(path, "".join(x + "\n" for x in kept))
     return len(kept)

@@ -29,6 +29,7 @@ from jaxpi.envs.agent_loop import Trajectory
 from jaxpi.rl.collect import admit_fresh
 from jaxpi.rl.config import GRPOConfig
 from jaxpi.rl.policy import Policy
+from jaxpi.rl.progress import CollectionProgress
 from jaxpi.rollout.jax_engine import JaxEngine
 from jaxpi.train.checkpoint import CheckpointStore
 from jaxpi.vllm.rollouts import RECOVERABLE, VLLMBackend, VLLMSettings
@@ -126,15 +127,26 @@ class Sampler:
         probe["version"] = version
 
     def collect(
-        self, split: str, step: int, tasks: Sequence[Any], group: int, seed: int
+        self,
+        split: str,
+        step: int,
+        tasks: Sequence[Any],
+        group: int,
+        seed: int,
+        progress: CollectionProgress | None = None,
     ) -> tuple[list[Trajectory], list[int]]:
         """One collection by the policy after `step` updates, and the policy version behind each
-        attempt; redone whole after an engine failure (nothing of a failed try is kept)."""
+        attempt; redone whole after an engine failure (nothing of a failed try is kept, the
+        `progress` count starts over)."""
         tries = self.cfg.collect.collection_retries + 1
         for attempt in range(tries):
             try:
                 self.push(step)
-                trajs = self.collector.run(tasks, group, seed)
+                if progress is not None:
+                    progress.begin()
+                trajs = self.collector.run(tasks, group, seed, None if progress is None else progress.done)
+                if progress is not None:
+                    progress.end()
                 versions = [step if v is None else v for v in self.collector.versions] or [step] * len(trajs)
                 return admit_fresh(trajs, versions, step, self.cfg.collect.max_staleness), versions
             except RECOVERABLE as e:

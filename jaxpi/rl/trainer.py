@@ -2,7 +2,6 @@
 
 One iteration, with `s` the number of policy updates made so far:
 
-    evaluate   (s = 0, every train.eval_every, and at the end) held-out tasks × levels × eval_group
     collect    tasks_s = draw(collect.tasks, seed, s); every task at every level, collect.group each,
                sampled by the rollout engine with the current adapter, scored once by the verifier
     score      rewards and advantages from this collection alone (`jaxpi.rl.reward`)
@@ -10,7 +9,9 @@ One iteration, with `s` the number of policy updates made so far:
                log-probabilities of the sampled tokens (before the update)
     update     one optimizer step on the GRPO loss over every admitted trajectory (`jaxpi.rl.loss`);
                the new adapter into the engine (same shapes: nothing recompiles)
-    log        one metrics record, one progress line
+    evaluate   (after every train.eval_every updates, and the last) held-out tasks × levels ×
+               eval_group, sampled, scored and recorded, not trained on; also before the first update
+    log        one metrics record at step s + 1 (the evaluation's numbers under eval/ in it)
     checkpoint every train.checkpoint_every updates: adapter + optimizer state (orbax)
 
 Everything random is a function of (train.seed, s): the task draw, the sampling keys, the
@@ -22,9 +23,12 @@ deterministic XLA ops; what a resume may change: `jaxpi.rl.resume`). Outputs in 
     config.json     the whole config
     attempts.jsonl  one record per attempt (split train|eval, step, task, level, outcome, tokens,
                     reward, advantage); records of steps after the checkpoint are dropped on resume
-    metrics.jsonl   one record per update: loss, gradient norm, engine/trainer log-prob gap,
-                    importance weights, per-level pass rate / reasoning tokens / admitted share,
-                    ordering ratios (`jaxpi.rl.metrics`; also to TensorBoard under tb/)
+    metrics.jsonl   one record per update, at the step it ends (1 .. train.collections): loss,
+                    gradient norm, engine/trainer log-prob gap, importance weights, per-level
+                    pass rate / reasoning tokens / admitted share, ordering ratios
+                    (`jaxpi.rl.metrics`), and the evaluation after that update under eval/; the
+                    evaluation before the first update is the record of step 0. The same keys
+                    go to the loggers of output.loggers (TensorBoard under tb/, W&B, MLflow)
     checkpoints/N   orbax steps, exportable with `jaxpi export` like SFT checkpoints
 
 With `collect.engine=vllm` the attempts are sampled by a vLLM server, the adapter pushed and probed
@@ -58,11 +62,13 @@ from jaxpi.rl.config import GRPOConfig
 from jaxpi.rl.envs import env_entry
 from jaxpi.rl.metrics import engine_gap_metrics, level_metrics, levels_line
 from jaxpi.rl.policy import Policy, Programs, load_policy, make_programs
+from jaxpi.rl.progress import CollectionProgress
 from jaxpi.rl.resume import check_resume, truncate_attempts
 from jaxpi.rl.reward import CollectionScore, score_collection
 from jaxpi.rl.sampling import Sampler, open_engine
 from jaxpi.train.checkpoint import CheckpointStore, read_meta
-from jaxpi.train.metrics import MetricsLog
+from jaxpi.train.loggers import require_loggers
+from jaxpi.train.metrics import MetricsLog, read_jsonl
 from jaxpi.train.rundir import new_paths
 from jaxpi.train.schedule import lr_schedule
 
@@ -98,18 +104,23 @@ class Run:
 def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict[str, Any]:
     """Train (or resume) the run in `cfg.output.dir`; returns the summary `--json` prints. A run
     that fails before its first update leaves output.dir as it found it (jaxpi.train.rundir)."""
+    require_loggers(cfg.output.loggers)  # a missing library fails before the policy is loaded
     summary: dict[str, Any] = {}
     with new_paths(cfg.output.dir) as made:
         run = start_run(cfg, progress=progress, out=out or sys.stdout)
         t_run = time.time()
         try:
+            if run.start == 0:
+                summary = evaluate(run, 0)
+                if summary:
+                    run.log.write({"step": 0, **summary, "time": time.time() - t_run})
             for s in range(run.start, cfg.train.collections):
                 summary = one_update(run, s, t_run)
                 made.keep()
-            # Always (re)done: a resume truncates the records of its own step, this one included.
-            summary = {**summary, **evaluate(run, cfg.train.collections)}
         finally:
             run.close()
+    if not summary and run.log.path.exists():  # resumed after the last update: its record
+        summary = (read_jsonl(run.log.path) or [{}])[-1]
     final = run.store.latest_step()
     return {
         "run_dir": str(run.run_dir),
@@ -121,15 +132,16 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
 
 
 def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
-    """Collection `s` and the update made from it: collect → score → batch → update → log →
-    checkpoint (after the evaluation collection, when one is due). Returns the metrics record."""
+    """Collection `s` and the update made from it: collect → score → batch → update → evaluate
+    (when due after s + 1 updates) → log → checkpoint. Returns the metrics record of step s + 1."""
     cfg = run.cfg
-    due = s == 0 or (cfg.train.eval_every and s % cfg.train.eval_every == 0)
-    eval_metrics = evaluate(run, s) if due else {}
     t0 = time.time()
     tasks = [run.pool[i] for i in draw_tasks(len(run.pool), cfg.collect.tasks, cfg.train.seed, s)]
     seed = collection_seed(cfg.train.seed, s, "train")
-    trajs, versions = run.sampler.collect("train", s, tasks, cfg.collect.group, seed)
+    watch = collection_progress(
+        run, f"collection {s + 1}/{cfg.train.collections}", len(tasks), cfg.collect.group
+    )
+    trajs, versions = run.sampler.collect("train", s, tasks, cfg.collect.group, seed, watch)
     t_collect = time.time() - t0
     score = score_and_record(run, "train", s, trajs, versions)
     t1 = time.time()
@@ -137,6 +149,10 @@ def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
     gap = engine_gap_metrics(batch["logp_old"], batch["logp_engine"], batch["loss_mask"], cfg.loss.is_cap)
     loss, grad_norm = update(run, batch, s)
     t_update = time.time() - t1
+    # Engine failures and probes of this update's collection (an evaluation's go in the next record).
+    pending = run.sampler.take_pending()
+    k = cfg.train.eval_every
+    eval_metrics = evaluate(run, s + 1) if s + 1 == cfg.train.collections or (k and (s + 1) % k == 0) else {}
     sampled = sum(t.output_tokens for t in trajs)
     rec = {
         "step": s + 1,
@@ -155,7 +171,7 @@ def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
         **gap,
         **level_metrics("", trajs, score, cfg.reward.levels),
         **eval_metrics,
-        **run.sampler.take_pending(),
+        **pending,
     }
     log_update(run, rec, t_collect, t_update)
     checkpoint(run, s + 1)
@@ -168,15 +184,18 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     if not run.held or not cfg.train.eval_group:
         return {}
     seed = collection_seed(cfg.train.seed, step, "eval")
-    trajs, versions = run.sampler.collect("eval", step, run.held, cfg.train.eval_group, seed)
+    watch = collection_progress(run, f"eval after {step} updates", len(run.held), cfg.train.eval_group)
+    trajs, versions = run.sampler.collect("eval", step, run.held, cfg.train.eval_group, seed, watch)
     score = score_and_record(run, "eval", step, trajs, versions)
     m = level_metrics("eval/", trajs, score, cfg.reward.levels)
-    print(
-        f"eval   after {step:4d} updates: {levels_line(m, cfg.reward.levels, 'eval/')}",
-        file=run.out,
-        flush=True,
-    )
+    run.log.message(f"eval   after {step:4d} updates: {levels_line(m, cfg.reward.levels, 'eval/')}")
     return m
+
+
+def collection_progress(run: Run, label: str, tasks: int, group: int) -> CollectionProgress:
+    """The progress of a collection of `tasks` tasks x levels x `group`, to the console."""
+    scheduled = tasks * len(run.cfg.reward.levels) * group
+    return CollectionProgress(label, scheduled, run.log.status, run.cfg.train.collection_log_s)
 
 
 def score_and_record(
@@ -234,14 +253,11 @@ def update(run: Run, batch: dict[str, np.ndarray], s: int) -> tuple[float, float
 
 
 def log_update(run: Run, rec: dict[str, Any], t_collect: float, t_update: float) -> None:
-    run.log.write(rec)
-    cfg = run.cfg
-    print(
-        f"update {rec['step']:4d}/{cfg.train.collections}: {levels_line(rec, cfg.reward.levels, '')} "
-        f"| grad norm {rec['grad_norm']:.3f} | {t_collect:.1f}s collect, {t_update:.1f}s update",
-        file=run.out,
-        flush=True,
+    """The record to metrics.jsonl and the loggers; the console line every train.log_every updates."""
+    detail = (
+        f"{levels_line(rec, run.cfg.reward.levels, '')} | {t_collect:.1f}s collect, {t_update:.1f}s update"
     )
+    run.log.write(rec, detail)
 
 
 def checkpoint(run: Run, step: int) -> None:
@@ -338,7 +354,11 @@ def _open(
         start_step=start,
         total_steps=cfg.train.collections,
         progress=progress,
-        tensorboard=cfg.output.tensorboard,
+        loggers=cfg.output.loggers,
+        log_every=cfg.train.log_every,
+        out=out,
+        name=cfg.output.name,
+        config=config_dict,
     )
     return Run(
         cfg=cfg,

@@ -12,6 +12,7 @@ from jaxpi.data.gates import GateConfig
 from jaxpi.lora import LoraConfig
 from jaxpi.sft.data import BUILT_IN, is_source, source_names
 from jaxpi.train.base import ModelConfig
+from jaxpi.train.loggers import logger_errors
 from jaxpi.train.schedule import OptimConfig
 
 DEMO_SESSIONS = str(Path(__file__).resolve().parents[1] / "assets" / "demo" / "sessions")
@@ -84,6 +85,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     eval_hook: str = ""  # "module:function", called as fn(checkpoint_dir, step) after each checkpoint
+    # a plain log line every N steps (and at the last) when stderr is not a terminal or with --json
+    # (a progress bar on a terminal); 0 = none
+    log_every: int = 10
 
     def __post_init__(self) -> None:
         errors = []
@@ -99,6 +103,8 @@ class TrainConfig:
             errors.append(f"train.checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:
             errors.append(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.log_every < 0:
+            errors.append(f"train.log_every must be >= 0, got {self.log_every}")
         if self.eval_hook and ":" not in self.eval_hook:
             errors.append(f"train.eval_hook must be 'module:function', got {self.eval_hook!r}")
         if errors:
@@ -118,7 +124,14 @@ class ShardingConfig:
 @dataclasses.dataclass(frozen=True)
 class OutputConfig:
     dir: str = "runs/sft"
-    tensorboard: bool = True
+    # where step records go besides <dir>/metrics.jsonl: tensorboard (<dir>/tb), wandb, mlflow
+    # (the extras jaxpi[wandb], jaxpi[mlflow]; docs/sft.md, "Logging"); [] = metrics.jsonl only
+    loggers: tuple[str, ...] = ("tensorboard",)
+
+    def __post_init__(self) -> None:
+        errors = logger_errors(self.loggers)
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,10 @@
 The loop is the I/O edge around the pure pieces (`jaxpi.train.step`, `jaxpi.train.schedule`):
 it loads the base, attaches adapters, resumes from `<output.dir>/checkpoints` when there is a
 checkpoint (same adapter, optimizer state, data position and RNG: the continuation is the run that
-was never stopped), logs every step (`metrics.jsonl`, TensorBoard, a progress bar), evaluates the
-held-out sessions, checkpoints every `train.checkpoint_every` steps and at the end, and stops at the
-first non-finite loss or gradient norm without checkpointing that step. docs/sft.md has every field.
+was never stopped), logs every step (`metrics.jsonl`, `output.loggers`; a progress bar, or without a
+terminal a line every `train.log_every` steps), evaluates the held-out sessions, checkpoints every
+`train.checkpoint_every` steps and at the end, and stops at the first non-finite loss or gradient
+norm without checkpointing that step. docs/sft.md has every field.
 
 RNG: one seed. A named base is written with it, adapters are initialised from
 `fold_in(key(seed), 1)`, the data order from the seed, and step s's dropout key is
@@ -45,6 +46,7 @@ from jaxpi.sft.config import SFTConfig, resume_diffs
 from jaxpi.sft.data import SFTData, prepare_data, report_text
 from jaxpi.train.base import prepare_base
 from jaxpi.train.checkpoint import CheckpointStore
+from jaxpi.train.loggers import require_loggers
 from jaxpi.train.metrics import MetricsLog
 from jaxpi.train.rundir import NewPaths, new_paths
 from jaxpi.train.schedule import lr_schedule, make_optimizer
@@ -287,6 +289,7 @@ def run_sft(cfg: SFTConfig, *, progress: bool = True, out: Any = None) -> dict[s
     is kept, that step is not saved).
     """
     out = out or sys.stdout
+    require_loggers(cfg.output.loggers)  # a missing library fails before the base is loaded
     # A run that fails before its first step leaves output.dir as it found it (jaxpi.train.rundir).
     with new_paths(cfg.output.dir) as made:
         run = open_run(cfg)
@@ -316,7 +319,10 @@ def _train(run: Run, made: NewPaths, progress: bool, out: Any) -> tuple[dict[str
         start_step=run.start,
         total_steps=t.steps,
         progress=progress,
-        tensorboard=cfg.output.tensorboard,
+        loggers=cfg.output.loggers,
+        log_every=t.log_every,
+        out=out,
+        config=run.config,
     )
     last: dict[str, Any] = {}
     val_loss = None

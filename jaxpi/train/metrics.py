@@ -1,7 +1,10 @@
-"""Where a run's numbers go: `metrics.jsonl` (one JSON object per step), TensorBoard, a progress bar.
+"""Where a run's numbers go: `metrics.jsonl` (one JSON object per step), the loggers of
+`output.loggers` (TensorBoard, W&B, MLflow: `jaxpi.train.loggers`), and the console (a progress bar
+on a terminal, plain lines elsewhere: `jaxpi.train.progress`).
 
 On resume the log is cut back to the checkpoint's step first (`truncate_jsonl`), so the file always
-reads as one uninterrupted run; TensorBoard is told the same with `purge_step`.
+reads as one uninterrupted run; TensorBoard is told the same with `purge_step`. A run without a
+checkpoint starts over: a killed fresh run's records (a GRPO run's step-0 evaluation) are dropped.
 """
 
 from __future__ import annotations
@@ -9,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from jaxpi.atomic import write_text
+from jaxpi.train.loggers import JsonlLogger, Logger, open_loggers
+from jaxpi.train.progress import Progress
 
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
@@ -45,9 +48,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Appends step records to `<dir>/metrics.jsonl` (flushed per line), mirrors the numbers to
-    TensorBoard under `<dir>/tb`, and drives a tqdm bar (off when `progress` is false or stderr is
-    not a terminal)."""
+    """Appends step records to `<dir>/metrics.jsonl` and hands them to the loggers of `loggers`
+    (`output.loggers`); on the console a bar, or with stderr not a terminal (or `progress` off) a
+    plain line every `log_every` steps (`train.log_every`) to `out`."""
 
     def __init__(
         self,
@@ -56,47 +59,41 @@ class MetricsLog:
         start_step: int,
         total_steps: int,
         progress: bool,
-        tensorboard: bool = True,
+        loggers: Sequence[str] = ("tensorboard",),
+        log_every: int = 1,
+        out: Any = None,
+        name: str = "",
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
-        truncate_jsonl(self.path, start_step)
-        self.file = self.path.open("a")
-        self.tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step: events of steps after the checkpoint (a killed run's tail) are dropped.
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-        self.bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            unit="step",
-            dynamic_ncols=True,
-            disable=not (progress and sys.stderr.isatty()),
+        truncate_jsonl(self.path, start_step if start_step else -1)
+        self.loggers: list[Logger] = [JsonlLogger(self.path)]
+        try:
+            self.loggers += open_loggers(
+                loggers, run_dir, start_step=start_step, name=name or run_dir.name, config=config or {}
+            )
+        except BaseException:
+            self.loggers[0].close()
+            raise
+        self.console = Progress(
+            total=total_steps, start=start_step, progress=progress, every=log_every, out=out
         )
 
-    def write(self, record: dict[str, Any]) -> None:
-        # One flushed line per step: a kill loses at most a torn last line, which truncate_jsonl drops.
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        step = int(record["step"])
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(
-                        f"train/{key}" if not key.startswith("val_") else f"val/{key}", value, step
-                    )
-        postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record.get('tokens_per_s', 0):.0f}"}
-        if "val_loss" in record:
-            postfix["val"] = f"{record['val_loss']:.4f}"
-        self.bar.set_postfix(postfix, refresh=False)
-        self.bar.update(step - self.bar.n)
+    def write(self, record: dict[str, Any], detail: str = "") -> None:
+        """Record `record` (its "step" is the step it describes); a record with a loss is a step
+        done for the console, with `detail` on its line."""
+        for logger in self.loggers:
+            logger.log(record)
+        if "loss" in record:
+            self.console.step(record, detail)
+
+    def status(self, text: str) -> None:
+        self.console.status(text)
 
     def message(self, text: str) -> None:
-        self.bar.write(text, file=sys.stderr)
+        self.console.message(text)
 
     def close(self) -> None:
-        self.bar.close()
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.console.close()
+        for logger in self.loggers:
+            logger.close()

@@ -55,11 +55,11 @@ class StudySpec:
 
     @property
     def sft_overrides(self) -> list[str]:
-        return [*(SHORT[0] if self.short else ()), "output.tensorboard=false", *self.sft]
+        return [*(SHORT[0] if self.short else ()), "output.loggers=[]", *self.sft]
 
     @property
     def grpo_overrides(self) -> list[str]:
-        return [*(SHORT[1] if self.short else ()), "output.tensorboard=false", *self.grpo]
+        return [*(SHORT[1] if self.short else ()), "output.loggers=[]", *self.grpo]
 
 
 def _strip(d: dict[str, Any], free: Mapping[str, Any]) -> dict[str, Any]:
