@@ -93,7 +93,7 @@ def test_chat_tool_call_ids_usage_logprobs(served):
     (c,) = r.choices
     assert c.finish_reason == "tool_calls"
     msg = c.message
-    assert msg.content in (None, "") and msg.model_extra["reasoning_content"] == "find ab"
+    assert msg.content in (None, "") and msg.model_extra["reasoning"] == "find ab"
     (call,) = msg.tool_calls
     assert call.type == "function" and call.id and call.function.name == "get"
     assert json.loads(call.function.arguments) == {"key": "ab"}
@@ -118,7 +118,7 @@ def test_chat_tool_call_ids_usage_logprobs(served):
     )
     (b0, b1) = script.spans[1]
     assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content == "It is 42."
-    assert r2.choices[0].message.model_extra["reasoning_content"] == "ok"
+    assert r2.choices[0].message.model_extra["reasoning"] == "ok"
     assert r2.model_extra["prompt_token_ids"] == script.ids[:b0]
     assert [x.token for x in r2.choices[0].logprobs.content] == [f"token_id:{t}" for t in script.ids[b0:b1]]
     # without the extras the reply has none of them
@@ -140,15 +140,13 @@ def test_streaming_matches_non_streaming(served):
         )
     )
     assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
-    reasoning = "".join(
-        ch.choices[0].delta.model_extra.get("reasoning_content") or "" for ch in chunks if ch.choices
-    )
+    reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning") or "" for ch in chunks if ch.choices)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra.get("token_ids") or []]
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert reasoning == full.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning == full.choices[0].message.model_extra["reasoning"]
     assert content == (full.choices[0].message.content or "")
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         (0, "get", {"key": "ab"})
@@ -156,6 +154,108 @@ def test_streaming_matches_non_streaming(served):
     assert finish == ["tool_calls"] and ids == full.choices[0].model_extra["token_ids"]
     assert chunks[0].model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def deltas(chunks, field):
+    """The chunks' `field` deltas (reasoning or content), in order, empty ones left out."""
+    out = []
+    for ch in chunks:
+        for c in ch.choices:
+            d = c.delta.content if field == "content" else c.delta.model_extra.get(field)
+            if d:
+                out.append(d)
+    return out
+
+
+def answer_turn(s):
+    """The scripted conversation up to its last turn (the answer "It is 42.")."""
+    (call,) = s["messages"][2]["tool_calls"]
+    call = {"id": "c1", **call, "function": {**call["function"], "arguments": json.dumps({"key": "ab"})}}
+    return [
+        *s["messages"][:2],
+        {**s["messages"][2], "tool_calls": [call]},
+        {**s["messages"][3], "tool_call_id": "c1"},
+    ]
+
+
+def test_stream_is_sent_as_the_tokens_are_sampled(served):
+    """The answer turn and then random tokens (ignore_eos), 64 greedy tokens: the first text delta
+    reaches the client while the engine is still decoding (its batch has not finished: the
+    batcher's token count has not moved), text comes in many deltas each carrying its few token
+    ids, and it all adds up to the non-stream reply of the same request."""
+    s = served
+    kw = dict(extra_body={"return_token_ids": True, "ignore_eos": True})
+    msgs = answer_turn(s)
+    stats = s["h"].service.batcher.stats
+    before = stats.completion_tokens
+    chunks, at_first = [], None
+    for ch in ask(s, msgs, stream=True, stream_options={"include_usage": True}, **kw):
+        if at_first is None and (deltas([ch], "reasoning") or deltas([ch], "content")):
+            at_first = stats.completion_tokens  # read in this process, as the delta arrives
+        chunks.append(ch)
+    assert at_first == before, "the first delta came only after the whole turn was sampled"
+    assert stats.completion_tokens == before + MAX_TOKENS
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    per_chunk = [len(c.model_extra.get("token_ids") or []) for ch in chunks for c in ch.choices]
+    text = deltas(chunks, "reasoning") + deltas(chunks, "content")
+    assert len(text) >= 8 and sum(per_chunk) == MAX_TOKENS, (text, per_chunk)
+    full = ask(s, msgs, **kw).choices[0]
+    assert "".join(deltas(chunks, "reasoning")) == (full.message.model_extra["reasoning"] or "")
+    assert "".join(deltas(chunks, "content")) == (full.message.content or "")
+    assert [t for ch in chunks for c in ch.choices for t in c.model_extra.get("token_ids") or []] == (
+        full.model_extra["token_ids"]
+    )
+    assert chunks[-2].choices[0].finish_reason == full.finish_reason == "length"
+    assert "reasoning_content" not in full.message.model_extra  # one name, vLLM's
+    assert all("reasoning_content" not in c.delta.model_extra for ch in chunks for c in ch.choices)
+
+
+def test_streamed_tool_call_turn_and_answer(served):
+    """The scripted conversation streamed: the reasoning in more than one delta, the call in one
+    tool_calls delta (id, name, whole arguments) once parsed, then the answer turn's content in
+    several deltas."""
+    s = served
+    chunks = list(ask(s, s["messages"][:2], stream=True))
+    assert len(deltas(chunks, "reasoning")) > 1 and "".join(deltas(chunks, "reasoning")) == "find ab"
+    calls = [(i, tc) for i, ch in enumerate(chunks) for c in ch.choices for tc in c.delta.tool_calls or []]
+    ((at, call),) = calls
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.index == 0
+    assert call.function.name == "get" and json.loads(call.function.arguments) == {"key": "ab"}
+    assert [ch.choices[0].finish_reason for ch in chunks[at + 1 :]] == ["tool_calls"]
+    msgs = [
+        *s["messages"][:2],
+        {"role": "assistant", "content": None, "reasoning": "find ab", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "42"},
+    ]
+    chunks = list(ask(s, msgs, stream=True))
+    assert len(deltas(chunks, "content")) > 1 and "".join(deltas(chunks, "content")) == "It is 42."
+    assert "".join(deltas(chunks, "reasoning")) == "ok"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chunked_decode_gives_the_tokens_of_one_call(served):
+    """The engine's streaming loop (`interval` tokens per call, `on_tokens` per piece) samples
+    exactly the tokens and log-probs of one decode call, and hands them over in order."""
+    from jaxpi.rollout.engine import SamplingParams
+    from jaxpi.serve.batcher import generate_keyed
+
+    batcher = served["h"].service.batcher
+    prompts = [served["script"].ids[:20], served["script"].ids[:33]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=MAX_TOKENS, stop_token_ids=(7,))
+    pieces = {0: [], 1: []}
+
+    def on_tokens(i, ids, lps):
+        assert 1 <= len(ids) <= 3 and len(ids) == len(lps)
+        pieces[i].append((ids, lps))
+
+    with batcher.engine_lock:
+        whole = generate_keyed(batcher.engine, prompts, params, [5, 6])
+        streamed = generate_keyed(batcher.engine, prompts, params, [5, 6], on_tokens, 3)
+    for i, (a, b) in enumerate(zip(whole, streamed, strict=True)):
+        assert a == b
+        assert [t for ids, _ in pieces[i] for t in ids] == a.token_ids
+        assert [x for _, lps in pieces[i] for x in lps] == a.logprobs
+    assert len(pieces[0]) > 1
 
 
 def test_completions_logprobs_equal_the_trainer(served):
@@ -244,7 +344,6 @@ def test_bad_requests_get_400_naming_the_problem(served):
     cases = [
         (b"{not json", "not valid JSON"),
         (json.dumps({"model": "ckpt"}).encode(), "'messages' is required"),
-        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}).encode(), "gpt-9"),
         (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode(), "messages[0].role"),
         (
             json.dumps({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}).encode(),
@@ -263,12 +362,14 @@ def test_bad_requests_get_400_naming_the_problem(served):
         r = httpx.post(url, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
         assert r.status_code == 400, (needle, r.text)
         err = r.json()["error"]
-        assert needle in err["message"] and err["type"] == "invalid_request_error"
+        assert needle in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
+        assert set(err) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError, match="context limit"):
         ask(s, [{"role": "user", "content": "x " * 400}])
     r = httpx.post(s["h"].url + "/v1/completions", json={"prompt": [1, 2, 999]}, timeout=60)
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
-    assert httpx.get(s["h"].url + "/nope").status_code == 404
+    r = httpx.get(s["h"].url + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     models = s["client"].models.list()
     assert [m.id for m in models.data] == ["ckpt"]
 
@@ -280,15 +381,13 @@ def test_turn_parsing_to_messages(served):
         {"messages": [{"role": "user", "content": "q"}], "tools": served["tools"]},
         served="",
         efforts=fmt.efforts,
-        default_max_tokens=8,
-        max_tokens_cap=8,
         vocab_size=512,
     )
     enc = fmt.encode
     call = "<tool_call>\n<function=get>\n<parameter=key>\nx y\n</parameter>\n</function>\n</tool_call>"
     t = fmt.turn(req, enc(f"plan\n</think>\n\nLooking.\n\n{call}<|im_end|>"), "stop", True)
     assert t.finish_reason == "tool_calls" and t.message["content"] == "Looking."
-    assert t.message["reasoning_content"] == "plan"
+    assert t.message["reasoning"] == "plan"
     assert json.loads(t.message["tool_calls"][0]["function"]["arguments"]) == {"key": "x y"}
     assert t.reasoning_tokens == n_tokens(tok, "plan\n")
     # an unknown tool is not a call: the text comes back as content, with the parse error kept
@@ -298,7 +397,7 @@ def test_turn_parsing_to_messages(served):
     assert "unknown tool 'rm'" in t.parse_error
     # cut short inside the thinking block: all reasoning, finish "length"
     t = fmt.turn(req, enc("still thinking"), "length", True)
-    assert (t.finish_reason, t.message["reasoning_content"], t.message["content"]) == (
+    assert (t.finish_reason, t.message["reasoning"], t.message["content"]) == (
         "length",
         "still thinking",
         "",
@@ -432,16 +531,51 @@ def test_peft_and_orbax_adapters_are_loaded_onto_the_base(served, tmp_path):
         load_served_model(ServeConfig(model=str(ckpt), adapter=str(tmp_path)))
 
 
-def test_max_tokens_beyond_the_context_is_clamped(served):
-    service = served["h"].service
-    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 10**6}
+def test_unknown_model_is_404_and_max_tokens_over_the_context_is_400(served):
+    """As vLLM and OpenAI answer: an unknown model is 404 NotFoundError; max_tokens beyond the
+    context the prompt leaves is refused (400, the limit named), not clamped; no max_tokens
+    means the server's default within that context."""
+    s = served
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        body = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}], "prompt": [1, 2]}
+        r = httpx.post(s["h"].url + endpoint, json=body, timeout=60)
+        assert r.status_code == 404, r.text
+        assert r.json() == {
+            "error": {
+                "message": 'The model "gpt-9" does not exist; this server serves "ckpt"',
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            }
+        }
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        s["client"].chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "q"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        s["client"].chat.completions.create(
+            model="ckpt", messages=[{"role": "user", "content": "q"}], max_tokens=100_000
+        )
+    err = e.value.body
+    assert err["type"] == "BadRequestError" and err["param"] == "max_tokens" and err["code"] == 400
+    assert "100000" in err["message"] and "context limit is 512" in err["message"]
+    long = [10 + i % 400 for i in range(512 - MAX_TOKENS)]
+    r = httpx.post(
+        s["h"].url + "/v1/completions", json={"prompt": long, "max_tokens": MAX_TOKENS + 1}, timeout=60
+    )
+    assert r.status_code == 400 and f"{MAX_TOKENS + 1} > 512 - {len(long)}" in r.json()["error"]["message"]
+    # at the limit, and without max_tokens (the default, within the context left): served
+    service = s["h"].service
     req = read_chat_request(
-        body,
+        {"messages": [{"role": "user", "content": "q"}]},
         served="",
         efforts=service.fmt.efforts,
-        default_max_tokens=8,
-        max_tokens_cap=None,
         vocab_size=512,
     )
-    (row,) = service._rows(list(range(100)), req.sampling, (2,))
-    assert row.params.max_new_tokens == 512 - 100 and row.params.stop_token_ids == (2,)
+    assert req.sampling.max_tokens is None
+    (row,) = service._rows(list(range(500)), req.sampling, (2,), service.max_new_tokens)
+    assert row.params.max_new_tokens == 12 and row.params.stop_token_ids == (2,)
+    r = httpx.post(
+        s["h"].url + "/v1/completions",
+        json={"prompt": long, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+        timeout=300,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
