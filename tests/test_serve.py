@@ -7,11 +7,13 @@ real engine; other prompts get the random model's output.
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import jax
@@ -19,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpi import TINY
 from jaxpi.data.render import RenderConfig, load_tokenizer
@@ -28,6 +33,7 @@ from jaxpi.serve import ServeConfig, start_server
 from jaxpi.serve.chat import ChatFormat
 from jaxpi.serve.loading import Loaded
 from jaxpi.serve.protocol import read_chat_request
+from jaxpi.serve.streaming import TurnStream
 from jaxpi.testing.scripted import lookup_script, scripted_model
 
 # hidden 128 >= the script's 67 supervised tokens: the head fit is exact
@@ -256,6 +262,117 @@ def test_chunked_decode_gives_the_tokens_of_one_call(served):
         assert [t for ids, _ in pieces[i] for t in ids] == a.token_ids
         assert [x for _, lps in pieces[i] for x in lps] == a.logprobs
     assert len(pieces[0]) > 1
+
+
+CALL = "<tool_call>\n<function=get>\n<parameter=key>\nab\n</parameter>\n</function>\n</tool_call>"
+PIECES = (
+    *("find", " ab", "It", " is", " 42.", "é", "\n", "\n\n", " ", "<", "/", "think>"),
+    *("<think>", "</think>", "<tool_call>", "</tool_call>", CALL, CALL.replace("=get", "=rm")),
+)
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=14),
+    ends=st.booleans(),
+    thinking_open=st.booleans(),
+    cuts=st.lists(st.integers(1, 4), min_size=40, max_size=40),
+)
+def test_stream_deltas_add_up_to_the_non_stream_message(served, pieces, ends, thinking_open, cuts):
+    """Any turn (markers in any order, calls good and bad, cut short or ended, fed a few ids at a
+    time): the reasoning and content deltas concatenate to the non-stream message's fields, and
+    the calls sent are its calls, except after a call the turn then spoils (documented)."""
+    tok = served["tok"]
+    fmt = ChatFormat(tok, RenderConfig(tokenizer_dir=str(served["ckpt"])))
+    req = read_chat_request(
+        {"messages": [{"role": "user", "content": "q"}], "tools": served["tools"]},
+        served="",
+        efforts=fmt.efforts,
+        vocab_size=1 << 30,
+    )
+    ids = [t for p in pieces for t in fmt.encode(p)] + ([fmt.eot_id] if ends else [])
+    ts, got, pos = TurnStream(fmt, req, thinking_open), [], 0
+    for n in cuts:
+        if pos >= len(ids):
+            break
+        got += ts.feed(ids[pos : pos + n])
+        pos += n
+    last, turn = ts.finish(ids, "stop" if ends else "length")
+    got += last
+    msg = turn.message
+    assert "".join(d.get("reasoning", "") for d in got) == (msg["reasoning"] or "")
+    assert "".join(d.get("content", "") for d in got) == (msg["content"] or "")
+    sent = [(c["function"]["name"], c["function"]["arguments"]) for d in got for c in d.get("tool_calls", [])]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+    assert sent == want or (not want and turn.finish_reason != "tool_calls" and has_raw_call(msg)), (
+        sent,
+        msg,
+    )
+    assert [d["tool_calls"][0]["index"] for d in got if "tool_calls" in d] == list(range(len(sent)))
+
+
+def has_raw_call(msg):
+    """The turn's calls did not parse as a whole: their text is in the content."""
+    return "<tool_call>" in (msg["content"] or "")
+
+
+def test_metrics_and_the_request_log(served, caplog):
+    """/metrics parses as Prometheus text and counts requests by status, prompt and generated
+    tokens and latencies; each request is one log line with its numbers."""
+    s = served
+    url = s["h"].url
+
+    def scrape():
+        r = httpx.get(url + "/metrics", timeout=30)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+        return {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(r.text)
+            for x in fam.samples
+        }
+
+    def until(cond):  # the line and the counts land just after the answer's last byte
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return cond()
+
+    ok = ("jaxpi_requests_total", (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "200")))
+    missing = (
+        "jaxpi_requests_total",
+        (("method", "POST"), ("path", "/v1/chat/completions"), ("status", "404")),
+    )
+    hist = ("jaxpi_request_latency_seconds_count", (("path", "/v1/chat/completions"),))
+    before = scrape()
+    with caplog.at_level(logging.INFO, logger="jaxpi.serve"):
+        r = ask(s, s["messages"][:2])
+        bad = {"model": "gpt-9", "messages": [{"role": "user", "content": "q"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=bad, timeout=30).status_code == 404
+        line = (
+            f"POST /v1/chat/completions status=200 model=ckpt prompt_tokens={r.usage.prompt_tokens} "
+            f"completion_tokens={r.usage.completion_tokens} latency_s="
+        )
+        lines = lambda: [x.getMessage() for x in caplog.records if x.name == "jaxpi.serve"]  # noqa: E731
+        assert until(lambda: any(x.startswith(line) and x.endswith("stream=false") for x in lines())), lines()
+        assert until(
+            lambda: any(x.startswith("POST /v1/chat/completions status=404 model=- ") for x in lines())
+        )
+    assert until(lambda: scrape()[missing] - before.get(missing, 0) == 1)
+    after = scrape()
+    assert after[ok] - before.get(ok, 0) == 1 and after[hist] - before.get(hist, 0) == 2
+    grew = lambda name: after[(name, ())] - before.get((name, ()), 0)  # noqa: E731
+    assert grew("jaxpi_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("jaxpi_generation_tokens_total") == r.usage.completion_tokens
+    assert after[("jaxpi_requests_running", ())] == 1  # the scrape itself
+    assert after[("jaxpi_rows_waiting", ())] == 0
+    inf = ("jaxpi_request_latency_seconds_bucket", (("le", "+Inf"), ("path", "/v1/chat/completions")))
+    assert after[inf] == after[hist]
+    r = httpx.get(url + "/no/such/" + "x" * 50, timeout=30)
+    assert r.status_code == 404 and until(
+        lambda: (
+            ("jaxpi_requests_total", (("method", "GET"), ("path", "other"), ("status", "404"))) in scrape()
+        )
+    )
 
 
 def test_completions_logprobs_equal_the_trainer(served):
