@@ -265,9 +265,12 @@ def test_chunked_decode_gives_the_tokens_of_one_call(served):
 
 
 CALL = "<tool_call>\n<function=get>\n<parameter=key>\nab\n</parameter>\n</function>\n</tool_call>"
+# Each piece is tokenised on its own: the split markers are plain-text tokens that join into a
+# marker's text only when the next piece arrives.
 PIECES = (
-    *("find", " ab", "It", " is", " 42.", "é", "\n", "\n\n", " ", "<", "/", "think>"),
+    *("find", " ab", "It", " is", " 42.", "é", "\n", "\n\n", " ", "<", "/"),
     *("<think>", "</think>", "<tool_call>", "</tool_call>", CALL, CALL.replace("=get", "=rm")),
+    *(("</", "think>"), ("<tool", "_call>"), ("<|im", "_end|>"), ("<th", "ink>")),
 )
 
 
@@ -290,7 +293,8 @@ def test_stream_deltas_add_up_to_the_non_stream_message(served, pieces, ends, th
         efforts=fmt.efforts,
         vocab_size=1 << 30,
     )
-    ids = [t for p in pieces for t in fmt.encode(p)] + ([fmt.eot_id] if ends else [])
+    texts = [t for p in pieces for t in ((p,) if isinstance(p, str) else p)]
+    ids = [t for text in texts for t in fmt.encode(text)] + ([fmt.eot_id] if ends else [])
     ts, got, pos = TurnStream(fmt, req, thinking_open), [], 0
     for n in cuts:
         if pos >= len(ids):

@@ -117,7 +117,7 @@ class ChatFormat:
             sp = split_thinking(body, thinking_open=thinking_open)
             reasoning, content, has_thinking, calls = sp.reasoning, sp.rest.strip(), sp.has_thinking, ()
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        # vLLM's field (it was `reasoning_content` before vLLM 0.11, and is no longer sent)
+        # vLLM's current field name (it was `reasoning_content`, which current vLLM no longer sends)
         msg["reasoning"] = reasoning if has_thinking or thinking_open else None
         if calls:
             msg["tool_calls"] = [

@@ -6,8 +6,8 @@ follow vLLM's OpenAI server exactly, so a client (or `jaxpi gateway`) works agai
     request extensions   return_token_ids, return_tokens_as_token_ids, stop_token_ids,
                          ignore_eos, reasoning_effort, chat_template_kwargs
     chat response        top-level prompt_token_ids; per choice token_ids, logprobs.content[i]
-                         {token, logprob, bytes, top_logprobs}; message.reasoning (vLLM's name
-                         since 0.11, stream deltas too; requests may send reasoning_content);
+                         {token, logprob, bytes, top_logprobs}; message.reasoning (vLLM's current
+                         name, stream deltas too; requests may send the old reasoning_content);
                          usage.completion_tokens_details
     completions          per choice text, token_ids, prompt_token_ids, logprobs {tokens,
                          token_logprobs, top_logprobs, text_offset}
