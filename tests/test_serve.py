@@ -593,6 +593,7 @@ def test_serve_flags_map_onto_the_config(monkeypatch):
         9,
     )
     assert "k1" not in repr(c)  # a key never lands in a log line
+    assert cfg().stream_interval == 1 and cfg("--stream-interval", "4").stream_interval == 4
     monkeypatch.setenv("JAXPI_API_KEY", "k-env")
     assert cfg().api_key == "k-env" and cfg("--api-key", "k1").api_key == "k1"
     for argv, needle in [
@@ -601,6 +602,7 @@ def test_serve_flags_map_onto_the_config(monkeypatch):
         (("--http-workers", "0"), "http_workers"),
         (("--max-request-mb", "-1"), "max_request_mb"),
         (("--api-key", "two words"), "api_key"),
+        (("--stream-interval", "0"), "stream_interval"),
     ]:
         with pytest.raises(ValueError, match=needle):
             cfg(*argv)

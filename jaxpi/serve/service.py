@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import time
 from collections.abc import Iterator
@@ -20,9 +21,11 @@ from jaxpi.serve.protocol import (
     now,
     read_chat_request,
     read_completion_request,
+    status_error,
 )
 from jaxpi.serve.streaming import TurnStream
 
+log = logging.getLogger("jaxpi.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
 
 
@@ -272,6 +275,9 @@ class Service:
                 yield {**head, "choices": [], "usage": self._usage(len(prompt.ids), *usage)}
         except ApiError as e:
             yield e.body()
+        except Exception as e:  # the status is sent: the failure can only be an event now
+            log.exception("internal error in a stream")
+            yield status_error(500, f"internal error: {type(e).__name__}: {e}")
         finally:
             for r in rows:  # the client went away (or the stream ended): stop what still runs
                 r.cancelled.set()
