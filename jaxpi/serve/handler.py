@@ -80,7 +80,8 @@ def unauthorized(missing: bool) -> ApiError:
         if missing
         else "Incorrect API key provided"
     )
-    return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    # OpenAI's code for a bad key (clients test for it); the type follows the status as everywhere.
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 class BufferedRequest:

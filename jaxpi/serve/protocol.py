@@ -13,7 +13,7 @@ follow vLLM's OpenAI server exactly, so a client (or `jaxpi gateway`) works agai
                          token_logprobs, top_logprobs, text_offset}
     errors               {"error": {message, type, param, code}}: `type` named by the status
                          (vLLM's names: BadRequestError, NotFoundError, InternalServerError, ...),
-                         `code` the status
+                         `code` the status (401: OpenAI's "invalid_api_key")
 """
 
 from __future__ import annotations
