@@ -88,10 +88,10 @@ def ask(stack, c, messages, stream):
         m = r.choices[0].message
         return {
             "content": m.content,
-            "reasoning_content": m.model_extra.get("reasoning_content"),
+            "reasoning": m.model_extra.get("reasoning"),
             "tool_calls": [tc.model_dump() for tc in m.tool_calls or []],
         }, r.choices[0].finish_reason
-    msg = {"content": "", "reasoning_content": "", "tool_calls": []}
+    msg = {"content": "", "reasoning": "", "tool_calls": []}
     finish = None
     for ch in c.chat.completions.create(stream=True, **kw):
         assert "prompt_token_ids" not in ch.model_extra
@@ -99,7 +99,7 @@ def ask(stack, c, messages, stream):
             continue
         d = ch.choices[0].delta
         msg["content"] += d.content or ""
-        msg["reasoning_content"] += d.model_extra.get("reasoning_content") or ""
+        msg["reasoning"] += d.model_extra.get("reasoning") or ""
         msg["tool_calls"] += [tc.model_dump(exclude_none=True) for tc in d.tool_calls or []]
         finish = ch.choices[0].finish_reason or finish
     for tc in msg["tool_calls"]:
@@ -117,7 +117,7 @@ def test_two_call_conversation_is_one_token_exact_sample(stack, stream):
     call_id = m1["tool_calls"][0]["id"]
     msgs += [{"role": "assistant", **m1}, {"role": "tool", "tool_call_id": call_id, "content": "42"}]
     m2, f2 = ask(stack, c, msgs, stream)
-    assert (f2, m2["content"], m2["reasoning_content"]) == ("stop", "It is 42.", "ok")
+    assert (f2, m2["content"], m2["reasoning"]) == ("stop", "It is 42.", "ok")
 
     calls = records(stack, attempt).json()["calls"]
     assert calls == read_records(stack["records"] / f"{attempt}.jsonl")  # file and endpoint agree

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -28,8 +29,11 @@ SPEC = ConfigSpec(
         Flag(
             "--max-new-tokens",
             "max_new_tokens",
-            "default max_tokens of chat requests (1024, below --max-len)",
+            "max_tokens of chat requests that send none (1024, below --max-len)",
             convert=or_none,
+        ),
+        Flag(
+            "--stream-interval", "stream_interval", "tokens per engine call while streaming (1: each token)"
         ),
         Flag("--dtype", "dtype", choices=["float32", "bfloat16"]),
         Flag("--seed", "seed", "seeds the draws for requests without a seed"),
@@ -44,9 +48,10 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "serve",
         help=help_for("serve"),
-        description="Serve a checkpoint over /v1/chat/completions (streaming or not), /v1/completions "
-        "(token-id prompts, logprobs, token ids: vLLM's rollout surface), /v1/models and /health. "
-        "Concurrent requests are batched into one engine call. See docs/serve.md.",
+        description="Serve a checkpoint over /v1/chat/completions (streamed token by token, or not), "
+        "/v1/completions (token-id prompts, logprobs, token ids: vLLM's rollout surface), /v1/models, "
+        "/health and /metrics (Prometheus). Concurrent requests are batched into one engine call; "
+        "each request is one log line. See docs/serve.md.",
     )
     add_config_arguments(p, SPEC)
     p.add_argument("--json", action="store_true", help='print {"url": ..., "pid": ...} once serving')
@@ -63,6 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxpi.serve.server import start_server
 
     cfg = serve_config(args)  # a bad value is a ValueError: `jaxpi serve: error: ...`, exit 2
+    # One line per request on stderr (the `jaxpi.serve` logger), unless logging is set up already.
+    access = logging.getLogger("jaxpi.serve")
+    if not access.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
     if not args.json:
         print(f"loading {cfg.model} ...", file=sys.stderr, flush=True)
     handle = start_server(cfg)

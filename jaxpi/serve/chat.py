@@ -1,7 +1,7 @@
 """Chat requests to token ids and sampled turns back to OpenAI messages, with the checkpoint's template.
 
     prompt  = template(system + effort line, messages, tools, generation prompt)  -> token ids
-    turn    = decode(sampled ids) -> parse_turn -> reasoning_content / content / tool_calls
+    turn    = decode(sampled ids) -> parse_turn -> reasoning / content / tool_calls
 
 The effort level works as in training (`jaxpi.data.render`): its line joins the system message and
 its template kwargs (e.g. `enable_thinking`) go to the template. The prompt is tokenised as one
@@ -40,7 +40,7 @@ class Turn:
     parse_error: str | None  # why tool calls were not recognised (the text is then plain content)
 
 
-def _permissive(tools: Sequence[dict]) -> list[dict]:
+def permissive(tools: Sequence[dict]) -> list[dict]:
     """The same tools with schemas that accept any object (for schemas our validator cannot read)."""
     out = []
     for t in tools:
@@ -104,21 +104,21 @@ class ChatFormat:
                 parsed = parse_turn(text, list(req.tools), thinking_open=thinking_open, end_of_turn=self.eot)
             except ValueError:  # a schema keyword our validator does not know: check names only
                 parsed = parse_turn(
-                    text, _permissive(req.tools), thinking_open=thinking_open, end_of_turn=self.eot
+                    text, permissive(req.tools), thinking_open=thinking_open, end_of_turn=self.eot
                 )
             error = parsed.error
         if parsed is not None and parsed.error is None:
             reasoning, content, has_thinking = parsed.reasoning, parsed.content, parsed.has_thinking
             calls = parsed.tool_calls
         else:
-            # Unparseable or cut short: the raw text after the thinking block is the content.
+            # Unparseable or cut short: the raw text after the thinking block is the content
+            # (stripped, as a parsed turn's, so that a stream's deltas add up to it).
             body = text[: -len(self.eot)] if text.endswith(self.eot) else text
             sp = split_thinking(body, thinking_open=thinking_open)
-            reasoning, content, has_thinking, calls = sp.reasoning, sp.rest, sp.has_thinking, ()
+            reasoning, content, has_thinking, calls = sp.reasoning, sp.rest.strip(), sp.has_thinking, ()
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        r = reasoning if has_thinking or thinking_open else None
-        msg["reasoning_content"] = r
-        msg["reasoning"] = r  # vLLM >= 0.11 name for the same text
+        # vLLM's current field name (it was `reasoning_content`, which current vLLM no longer sends)
+        msg["reasoning"] = reasoning if has_thinking or thinking_open else None
         if calls:
             msg["tool_calls"] = [
                 {

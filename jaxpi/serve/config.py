@@ -85,8 +85,12 @@ class ServeConfig:
     max_batch: int = 8  # engine rows: the most requests one compiled call decodes together
     batch_wait_ms: float = 5.0  # how long the batcher holds a batch's first request for others to join
     max_len: int = 4096  # context limit per request (prompt + completion), tokens
-    # default and upper bound of a request's `max_tokens`; None: min(1024, max_len - 1)
+    # a chat request's `max_tokens` when it sends none (within the context its prompt leaves; a
+    # request may ask for up to that context); None: min(1024, max_len - 1)
     max_new_tokens: int | None = None
+    # tokens per engine call while a stream is in the batch (vLLM's --stream-interval): each call
+    # hands its tokens to the streams; 1 streams every token as it is sampled
+    stream_interval: int = 1
     prefill_chunks: tuple[int, ...] = (256, 32, 4, 1)  # the engine's prefill chunk sizes (one program each)
     dtype: str = "float32"  # the weights' dtype: float32 or bfloat16
     seed: int = 0  # seeds requests that bring none (the server's draw of per-batch seeds)
@@ -110,6 +114,8 @@ class ServeConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         # A default turn must leave room for at least one prompt token.

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from jaxpi.serve.config import HttpLimits
-from jaxpi.serve.protocol import ApiError, error_body, sse
+from jaxpi.serve.protocol import ApiError, error_type, sse, status_error
 
 log = logging.getLogger("jaxpi.http")
 MAX_BODY = HttpLimits().max_body_bytes  # the default limit (handlers under a stdlib server use it)
@@ -32,9 +32,10 @@ _DIGITS = re.compile(rb"[0-9]+")
 class RefusedError(Exception):
     """A request refused before it reaches a handler: the status and the message to send."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message = status, message
+        self.kind = error_type(status) if kind is None else kind
 
 
 def body_length(values: list[bytes] | list[str], max_body: int) -> int:
@@ -79,6 +80,7 @@ def unauthorized(missing: bool) -> ApiError:
         if missing
         else "Incorrect API key provided"
     )
+    # OpenAI's code for a bad key (clients test for it); the type follows the status as everywhere.
     return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -156,7 +158,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":  # the parser's default before it read a version
             self.request_version = "HTTP/1.1"
         with contextlib.suppress(OSError):
-            self.send_json(code, error_body(text, "invalid_request_error", None, code), close=True)
+            self.send_json(code, status_error(code, text), close=True)
 
     def read_json(self) -> Any:
         # A size cap: one runaway client must not exhaust the memory the model lives in.
@@ -169,7 +171,7 @@ class JsonHandler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n) if n else b""
         except TimeoutError:
             self.close_connection = True
-            raise ApiError(408, "the request body did not arrive in time", kind="timeout_error") from None
+            raise ApiError(408, "the request body did not arrive in time") from None
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -185,9 +187,19 @@ class JsonHandler(BaseHTTPRequestHandler):
     def send_json(
         self, status: int, obj: Any, *, headers: Mapping[str, str] | None = None, close: bool = False
     ) -> None:
-        data = json.dumps(obj).encode()
+        self.send_bytes(status, json.dumps(obj).encode(), "application/json", headers=headers, close=close)
+
+    def send_bytes(
+        self,
+        status: int,
+        data: bytes,
+        content_type: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        close: bool = False,
+    ) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -202,7 +214,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_json(e.status, e.body(), headers=e.headers, close=self.close_connection)
 
     def send_events(self, events: Iterable[dict | str]) -> None:
-        """An SSE stream: each event as `data: ...`, then `data: [DONE]`; the connection closes."""
+        """An SSE stream: each event as `data: ...` as soon as it is produced, then `data: [DONE]`;
+        the connection closes. The iterable is closed however the stream ends (a generator's
+        `finally` learns that its client went away)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -210,11 +224,16 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        for ev in events:
-            self.wfile.write(sse(ev))
+        try:
+            for ev in events:
+                self.wfile.write(sse(ev))
+                self.wfile.flush()
+            self.wfile.write(sse("[DONE]"))
             self.wfile.flush()
-        self.wfile.write(sse("[DONE]"))
-        self.wfile.flush()
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
 
     def guarded(self, fn: Any) -> None:
         """Run one endpoint; any failure becomes an OpenAI error object (500 if unexpected)."""
@@ -227,9 +246,7 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         except Exception as e:
             log.exception("internal error")
-            self.send_json(
-                500, error_body(f"internal error: {type(e).__name__}: {e}", "internal_error", None, 500)
-            )
+            self.send_json(500, status_error(500, f"internal error: {type(e).__name__}: {e}"))
 
     def not_found(self) -> None:
-        self.send_json(404, error_body(f"no route {self.command} {self.path}", "NotFoundError", None, 404))
+        self.send_json(404, status_error(404, f"no route {self.command} {self.path}"))

@@ -34,16 +34,16 @@ from typing import Any
 
 from jaxpi.serve.config import HttpLimits
 from jaxpi.serve.handler import BufferedRequest, RefusedError, body_length
-from jaxpi.serve.protocol import error_body
+from jaxpi.serve.protocol import error_body, error_type
 
 log = logging.getLogger("jaxpi.http")
 MAX_HEAD = 64 * 1024  # request line and headers together
 LINGER_S = 2.0  # after refusing a request, how long its client's remaining bytes are read and dropped
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> bytes:
+def error_response(status: int, message: str, kind: str | None = None) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection (sent from the selector thread)."""
-    body = json.dumps(error_body(message, kind, None, status)).encode()
+    body = json.dumps(error_body(message, kind or error_type(status), None, status)).encode()
     phrase = HTTPStatus(status).phrase
     head = (
         f"HTTP/1.1 {status} {phrase}\r\nServer: jaxpi\r\nContent-Type: application/json\r\n"
@@ -177,7 +177,7 @@ class Server:
                 self._conns.add(conn)
                 self._refuse(
                     conn,
-                    RefusedError(503, f"too many connections ({open_} open); retry later", "server_error"),
+                    RefusedError(503, f"too many connections ({open_} open); retry later"),
                     registered=False,
                 )
                 continue
@@ -262,7 +262,6 @@ class Server:
                     RefusedError(
                         408,
                         f"the request did not arrive within {self.limits.read_timeout_s:g} s",
-                        "timeout_error",
                     ),
                 )
             else:  # an idle keep-alive connection, or a refused one done lingering

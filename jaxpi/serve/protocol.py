@@ -6,10 +6,14 @@ follow vLLM's OpenAI server exactly, so a client (or `jaxpi gateway`) works agai
     request extensions   return_token_ids, return_tokens_as_token_ids, stop_token_ids,
                          ignore_eos, reasoning_effort, chat_template_kwargs
     chat response        top-level prompt_token_ids; per choice token_ids, logprobs.content[i]
-                         {token, logprob, bytes, top_logprobs}; message.reasoning_content (and
-                         message.reasoning, vLLM's newer name); usage.completion_tokens_details
+                         {token, logprob, bytes, top_logprobs}; message.reasoning (vLLM's current
+                         name, stream deltas too; requests may send the old reasoning_content);
+                         usage.completion_tokens_details
     completions          per choice text, token_ids, prompt_token_ids, logprobs {tokens,
                          token_logprobs, top_logprobs, text_offset}
+    errors               {"error": {message, type, param, code}}: `type` named by the status
+                         (vLLM's names: BadRequestError, NotFoundError, InternalServerError, ...),
+                         `code` the status (401: OpenAI's "invalid_api_key")
 """
 
 from __future__ import annotations
@@ -25,22 +29,48 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORT_ALIASES = {"none": "off"}  # OpenAI's "none" is Pi's "off" (thinking disabled)
 
 
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    411: "LengthRequiredError",
+    413: "RequestTooLargeError",
+    414: "URITooLongError",
+    429: "RateLimitError",
+    431: "HeadersTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_type(status: int) -> str:
+    """The error object's `type` for an HTTP status: vLLM's names (and the openai client's
+    exception names) where they exist, the status's own name otherwise."""
+    return ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
 class ApiError(Exception):
-    """A request the server refuses; `body()` is OpenAI's error object. `code` defaults to the
-    status (OpenAI names some, e.g. "invalid_api_key"); `headers` go out with the answer."""
+    """A request the server refuses; `body()` is OpenAI's error object. `kind` (the `type`)
+    defaults to `error_type(status)`, `code` to the status; `headers` go out with the answer."""
 
     def __init__(
         self,
         status: int,
         message: str,
         *,
-        kind: str = "invalid_request_error",
+        kind: str | None = None,
         param: str | None = None,
         code: int | str | None = None,
         headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.param = status, message, param
+        self.kind = error_type(status) if kind is None else kind
         self.code = status if code is None else code
         self.headers = dict(headers or {})
 
@@ -50,6 +80,11 @@ class ApiError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None, code: int | str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def status_error(status: int, message: str) -> dict:
+    """The error object of a refusal with nothing more to say than its status and message."""
+    return error_body(message, error_type(status), None, status)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -99,9 +134,10 @@ def _token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """The sampling fields shared by both endpoints (seed None: the server draws one)."""
+    """The sampling fields shared by both endpoints (seed None: the server draws one;
+    max_tokens None: the server's default, within the context left)."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float
     top_p: float
     seed: int | None
@@ -110,17 +146,14 @@ class Sampling:
     ignore_eos: bool
 
 
-def read_sampling(
-    body: Mapping, *, default_max_tokens: int, max_tokens_cap: int | None, vocab_size: int
-) -> Sampling:
+def read_sampling(body: Mapping, *, vocab_size: int) -> Sampling:
     if body.get("prompt_logprobs") is not None:
         raise bad("'prompt_logprobs' is not supported by jaxpi serve", "prompt_logprobs")
     if body.get("stop"):
         raise bad("'stop' strings are not supported by jaxpi serve; use 'stop_token_ids'", "stop")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _int({"max_tokens": mt}, "max_tokens", default_max_tokens, 1, max_tokens_cap)
     return Sampling(
-        max_tokens=int(max_tokens),  # type: ignore[arg-type]
+        max_tokens=_int({"max_tokens": mt}, "max_tokens", None, 1),
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
         seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
@@ -131,9 +164,13 @@ def read_sampling(
 
 
 def check_model(body: Mapping, served: str) -> None:
+    """An unknown model is 404 NotFoundError, as vLLM and OpenAI answer."""
     model = body.get("model")
     if model is not None and model != served:
-        raise bad(f"The model '{model}' does not exist; this server serves '{served}'", "model")
+        shown = json.dumps(model)[:200]
+        raise ApiError(
+            404, f"The model {shown} does not exist; this server serves {json.dumps(served)}", param="model"
+        )
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -216,8 +253,6 @@ def read_chat_request(
     *,
     served: str,
     efforts: Sequence[str],
-    default_max_tokens: int,
-    max_tokens_cap: int | None,
     vocab_size: int,
 ) -> ChatRequest:
     if not isinstance(body, dict):
@@ -258,9 +293,7 @@ def read_chat_request(
         messages=tuple(normalize_message(m, i) for i, m in enumerate(msgs)),
         tools=tuple(tools),
         effort=effort,
-        sampling=read_sampling(
-            body, default_max_tokens=default_max_tokens, max_tokens_cap=max_tokens_cap, vocab_size=vocab_size
-        ),
+        sampling=read_sampling(body, vocab_size=vocab_size),
         stream=_bool(body, "stream"),
         include_usage=bool(opts.get("include_usage")) if isinstance(opts, dict) else False,
         logprobs=_bool(body, "logprobs"),
@@ -281,9 +314,7 @@ class CompletionRequest:
     tokens_as_ids: bool
 
 
-def read_completion_request(
-    body: Any, *, served: str, max_tokens_cap: int | None, vocab_size: int
-) -> CompletionRequest:
+def read_completion_request(body: Any, *, served: str, vocab_size: int) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     check_model(body, served)
@@ -308,10 +339,7 @@ def read_completion_request(
     return CompletionRequest(
         prompts=ids,
         text_prompts=texts,
-        # vLLM's (and OpenAI's) default for this endpoint: 16 new tokens.
-        sampling=read_sampling(
-            body, default_max_tokens=16, max_tokens_cap=max_tokens_cap, vocab_size=vocab_size
-        ),
+        sampling=read_sampling(body, vocab_size=vocab_size),
         logprobs=_int(body, "logprobs", None, 0, 20),
         return_token_ids=_bool(body, "return_token_ids"),
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
@@ -333,9 +361,11 @@ def sse(obj: Mapping[str, Any] | str) -> bytes:
 
 
 def stream_chunks(response: Mapping[str, Any], *, include_usage: bool) -> list[dict]:
-    """A finished chat.completion as OpenAI `chat.completion.chunk`s: per choice a role chunk, the
-    reasoning, the content, one chunk per tool call, then the finish chunk (which carries the
-    choice's token_ids and logprobs when the response has them); a usage chunk when asked."""
+    """A finished chat.completion as OpenAI `chat.completion.chunk`s (the gateway re-streams
+    upstream's reply with it; `jaxpi serve` streams as it samples, `jaxpi.serve.streaming`): per
+    choice a role chunk, the reasoning, the content, one chunk per tool call, then the finish
+    chunk (which carries the choice's token_ids and logprobs when the response has them); a usage
+    chunk when asked. Reasoning goes out as `reasoning`, whichever name upstream used."""
     head = {k: response[k] for k in ("id", "created", "model")}
     head["object"] = "chat.completion.chunk"
     chunks: list[dict] = []
@@ -359,12 +389,12 @@ def stream_chunks(response: Mapping[str, Any], *, include_usage: bool) -> list[d
             },
             **first,
         )
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")  # vLLM's old and new names
+        reasoning = msg.get("reasoning") or msg.get("reasoning_content")  # vLLM's new and old names
         if reasoning:
             chunk(
                 {
                     "index": i,
-                    "delta": {"reasoning_content": reasoning},
+                    "delta": {"reasoning": reasoning},
                     "logprobs": None,
                     "finish_reason": None,
                 }

@@ -159,8 +159,6 @@ def scripted_model(
         {"messages": list(messages), "tools": list(tools), "reasoning_effort": effort},
         served="",
         efforts=fmt.efforts,
-        default_max_tokens=1,
-        max_tokens_cap=1,
         vocab_size=1 << 30,
     )
     msgs, kwargs, _ = fmt.messages(req)

@@ -264,7 +264,7 @@ def test_serve_requires_its_api_key(serve):
             r = httpx.request(method, url + path, headers=headers, json={}, timeout=5)
             assert r.status_code == 401, (headers, path, r.text)
             err = r.json()["error"]
-            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+            assert err["code"] == "invalid_api_key" and err["type"] == "AuthenticationError"
             assert r.headers.get("WWW-Authenticate", "").startswith("Bearer")
     ok = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5)
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
