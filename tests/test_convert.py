@@ -355,7 +355,7 @@ def test_existing_output_needs_overwrite(ckpt, loaded, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(FileExistsError, match="give --overwrite to replace it"):
         save_hf(model, out, source=src)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 

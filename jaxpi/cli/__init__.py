@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
-from jaxpi import __version__
 from jaxpi.cli.errors import BAD_INPUT, BAD_INPUT_ERRORS
 from jaxpi.cli.registry import BY_NAME, COMMANDS
 from jaxpi.configfile.help import add_defaults
@@ -42,7 +42,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxpi", description="Qwen3.5 in JAX: HF weights in and out, parity with transformers."
     )
-    p.add_argument("--version", action="version", version=f"jaxpi {__version__}")
+    p.add_argument("--version", action="version", version=f"jaxpi {importlib.metadata.version('jaxpi')}")
     sub = p.add_subparsers(dest="command", required=True)
     wanted = BY_NAME[command].module if command in BY_NAME else None
     registered: set[str] = set()

@@ -12,7 +12,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpi.convert.hf import load_hf
+from jaxpi.data.render import load_tokenizer
+from jaxpi.lora import add_lora
+from jaxpi.lora.peft import load_peft
 from jaxpi.serve.config import ServeConfig
+from jaxpi.train.checkpoint import load_adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +44,6 @@ def _is_peft(path: Path) -> bool:
 
 def load_served_model(cfg: ServeConfig) -> Loaded:
     """Load `cfg.model` (+ `cfg.adapter`) as one model; errors name the directory at fault."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxpi.convert.hf import load_hf
-    from jaxpi.lora import add_lora
-
     path = Path(cfg.model)
     if not path.exists():
         raise FileNotFoundError(f"--model {path} does not exist")
@@ -68,8 +70,6 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
 
     base_dir, tok_dir, state, lora_cfg = path, path, None, None
     if orbax:
-        from jaxpi.train.checkpoint import load_adapter
-
         state, lora_cfg, meta = load_adapter(orbax[0])
         if orbax[0] != path:  # --adapter on an explicit base: the base is --model
             tok_dir = path
@@ -87,8 +87,6 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
         nnx.update(model, state)
     for kind, p in adapters:
         if kind == "peft":
-            from jaxpi.lora.peft import load_peft
-
             if state is not None:
                 raise ValueError("a PEFT --adapter goes on a HF base, not on a jaxpi checkpoint")
             load_peft(model, p)
@@ -98,8 +96,6 @@ def load_served_model(cfg: ServeConfig) -> Loaded:
 def check_tokenizer(tok_dir: Path, *, given: bool) -> None:
     """The tokenizer serving renders chats with (loaded once: `load_tokenizer` caches it); one
     without a chat template is a ValueError that says how to give another (`--tokenizer`)."""
-    from jaxpi.data.render import load_tokenizer
-
     try:
         load_tokenizer(str(tok_dir))
     except (OSError, ValueError) as e:
