@@ -21,16 +21,16 @@ from jaxpi.rollout.sampling import nucleus_logprobs, sample_tokens
 CFG = TINY.replace(num_hidden_layers=9)
 FWD = jax.jit(lambda m, x: m(x))
 MAX_LEN = 96
-# Engine vs trainer log-probs (the issue's bar, 1e-5): measured max 8.6e-6 over this file's 128
-# compared tokens (mean 1.5e-6). In float64 the two agree to 3e-14 (tests/test_engine_fp64.py),
-# so the gap is float32 rounding: the first op that differs is the LoRA product x·A (XLA's CPU dot
-# rounds a [1, 64]×[64, 4] row and the same row inside [49, 64]×[64, 4] an ulp apart; the base
-# projections agree bitwise), and the model amplifies it: the DeltaNet output norm scales heads
-# whose output has rms ~1e-4 (a cancellation, ~1e-4 relative error in any float32 order) by up to
-# 1/sqrt(eps) = 1000. How much is the random model's conditioning: other fixture seeds give 1.0e-5
-# (seed 6) and 5.9e-5 (seed 7) in this same scenario. Wrong weights or an off-by-one position
-# differ by > 1e-2.
-TOL = 1e-5
+# Engine vs trainer log-probs. Each is a float32 computation of the same float64 truth
+# (tests/test_engine_fp64.py: in float64 the two agree to 3e-14), and each misses it by about the
+# same amount: measured on that file's scenario, max |log-prob - float64| engine 1.16e-5, trainer
+# 1.31e-5. Their gap here measured 8.6e-6 (mean 1.5e-6) over 128 tokens in one run and 1.3e-5 to
+# 1.6e-5 in a full `make test` (XLA's CPU dot rounds a [1, 64]x[64, 4] LoRA row and the same row
+# inside [49, 64]x[64, 4] an ulp apart; a DeltaNet output norm over heads of rms ~1e-4 scales it by
+# up to 1/sqrt(eps) = 1000). A gap bar below either path's own error would test the CPU, so the bar
+# is float32's error bar of tests/test_engine_fp64.py (4e-5, ~3x its measurements). Wrong weights
+# or an off-by-one position differ by > 1e-2.
+TOL = 4e-5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 
 
