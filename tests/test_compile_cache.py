@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxpi import compile_cache
+from jaxpi.testing.xla import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,7 @@ def clean_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAXPI_"))}
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the probe compiles in milliseconds
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    env.pop("XLA_FLAGS", None)
-    return env
+    return child_env(env)
 
 
 def test_where_the_cache_goes(monkeypatch, tmp_path):

@@ -40,6 +40,7 @@ import jaxpi.convert.table as table_mod
 from jaxpi import TINY, CheckpointError, QwenConfig, load_hf, save_hf
 from jaxpi.convert.table import text_rules
 from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.testing.xla import child_env
 
 CFG9 = TINY.replace(num_hidden_layers=9)  # two scanned groups of 4 layers + one unrolled tail layer
 IDS = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 9)).astype(np.int32)
@@ -557,7 +558,7 @@ SHARDED_LOAD = textwrap.dedent(
 
 
 def test_load_with_shardings_on_8_cpu_devices(ckpt):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()  # the subprocess sets its own device count
     proc = subprocess.run(
         [sys.executable, "-c", SHARDED_LOAD, str(ckpt("causal_untied"))],
         capture_output=True,

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxpi import TINY, load_hf
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rollout import JaxEngine, SamplingParams
+from jaxpi.testing.xla import child_env
 
 # 9 layers: two scanned groups and an unrolled tail, both layer types (as tests/test_jax_engine.py).
 CFG = TINY.replace(num_hidden_layers=9)
@@ -178,7 +179,7 @@ def test_engine_and_trainer_against_float64(tmp_path):
     score = tmp_path / "pairs.json"
     score.write_text(json.dumps({"float32": fp32["pairs"], "bfloat16": bf16["pairs"]}))
     env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one device is enough; the scenario is not sharded
+    env = child_env(env)  # one device is enough; the scenario is not sharded
     here = Path(__file__).parent
     code = f"import sys, json; sys.path.insert(0, {str(here)!r}); import test_engine_fp64 as t; "
     code += f"print('RESULT', json.dumps(t.measure({ckpt!r}, 'float64', {str(score)!r})))"

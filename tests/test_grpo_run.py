@@ -11,7 +11,6 @@ describe (0 and the last) under the same eval/ keys.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 from jaxpi.configfile import load_config
 from jaxpi.sft import SFTConfig, run_sft
 from jaxpi.testing.run_logs import tensorboard_scalars
+from jaxpi.testing.xla import child_env
 from jaxpi.train.checkpoint import load_adapter
 from jaxpi.train.loggers import scalars
 
@@ -94,8 +94,7 @@ def command(sft_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 def environ(cache: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+    env = child_env()  # one device, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
     if cache is not None:  # every program stored, so that a resume compiling anything shows
         env["JAXPI_COMPILE_CACHE"] = str(cache)

@@ -1,19 +1,19 @@
 """`jaxpi plan`: abstract compile of a sharded step, memory per device, collectives (8 virtual devices)."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from jaxpi.testing.xla import child_env
 from sharding.hlo import count_collectives
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     # A fresh process: the planner must set XLA_FLAGS (device count) before jax starts its backend.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "jaxpi.cli", "plan", *args],
         capture_output=True,
@@ -129,7 +129,7 @@ def plan_levers(specs: tuple[str, ...]) -> dict[str, dict]:
         print(json.dumps(out))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", code, *specs], capture_output=True, text=True, env=env, timeout=600
     )

@@ -26,6 +26,7 @@ from jaxpi.plan.compiled import _build
 from jaxpi.plan.config import PlanConfig
 from jaxpi.rl.config import GRPOConfig
 from jaxpi.sft.config import SFTConfig
+from jaxpi.testing.xla import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -140,7 +141,7 @@ def test_recipe_fits_its_machine_by_the_analytic_plan(v):
 
 
 def run_plan(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, "-m", "jaxpi.cli", "plan", *args],

@@ -20,6 +20,7 @@ import pytest
 
 from jaxpi.experiments.toy import study_config, study_run, study_stats, study_tables
 from jaxpi.stats.intervals import t_interval, t_quantile
+from jaxpi.testing.xla import child_env
 
 SFT = [
     "data.toy_reasoning=[17,40,17,40,17,40]",
@@ -49,8 +50,7 @@ def command(out: Path, *extra: str, sft: list[str] = SFT, grpo: list[str] = GRPO
 
 
 def environ() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+    env = child_env()  # one device, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -5,7 +5,6 @@ mid-collection. One server for the whole module (start-up is ~30-100 s on 2 shar
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from jaxpi.convert.hf import load_hf
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rl.loss import sequence_logprobs
 from jaxpi.rollout.engine import RolloutEngine, SamplingParams
+from jaxpi.testing.xla import child_env
 from jaxpi.vllm.engine import EngineError, VLLMEngine, VLLMEngineConfig, parse_completion
 from jaxpi.vllm.fixtures import make_vllm_checkpoint
 from jaxpi.vllm.server import VLLMServer
@@ -317,8 +317,7 @@ def grpo_command(model_dir, url, out, *extra):
 
 
 def environ():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
