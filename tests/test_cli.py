@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -186,3 +187,29 @@ def test_serve_without_a_chat_template_names_the_tokenizer_flag(ckpt, tmp_path, 
     assert f"jaxpi serve: error: tokenizer in {bare} has no chat_template; give --tokenizer DIR" in err
     assert main(["serve", "--model", str(bare), "--tokenizer", str(bare)]) == 2
     assert f"jaxpi serve: error: --tokenizer {bare}: tokenizer in {bare}" in capsys.readouterr().err
+
+
+def test_tiny_checkpoint_is_written_atomically_and_keeps_what_is_there(tmp_path, capsys, monkeypatch):
+    """OUT appears complete or not at all: a non-empty OUT is refused (exit 2, nothing touched)
+    unless --overwrite; a write that fails leaves OUT as it was and no temporary beside it."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert main(["tiny-checkpoint", str(out), "--layers", "2"]) == 2
+    assert "give --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+    import jaxpi.hf_fixtures as fixtures
+
+    def broken(tmp, *a, **k):
+        (Path(tmp) / "config.json").write_text("{}")  # half a checkpoint, then the failure
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(fixtures, "make_checkpoint", broken)
+    assert main(["tiny-checkpoint", str(out), "--layers", "2", "--overwrite"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    monkeypatch.undo()
+    assert main(["tiny-checkpoint", str(out), "--layers", "2", "--overwrite"]) == 0
+    assert (out / "config.json").is_file() and not (out / "mine.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -37,31 +37,37 @@ def add_subparser(sub: Any) -> None:
         action="store_true",
         help="with --hf-config: A_log in [1, 3], dt_bias in [1, 4] (decays of -10 to -80 per token)",
     )
+    tiny.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     tiny.set_defaults(fn=cmd_tiny)
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
+    from jaxpi.atomic import atomic_dir
     from jaxpi.config import TINY
     from jaxpi.hf_fixtures import make_checkpoint, make_hf_checkpoint
 
+    text = None
     if args.hf_config is not None:
         try:
             text = json.loads(args.hf_config)
         except json.JSONDecodeError as e:
             print(f"jaxpi tiny-checkpoint: --hf-config is not JSON: {e}", file=sys.stderr)
             return 2
-        out = make_hf_checkpoint(
-            args.out,
-            text,
-            kind=args.kind,
-            tie=args.tied,
-            weights=args.weights,
-            strong_decay=args.strong_decay,
-            seed=args.seed,
-        )
-    else:
-        cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
-        # With the tiny tokenizer (its chat template included): `jaxpi serve --model OUT` runs as is.
-        out = make_checkpoint(args.out, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype, tokenizer=True)
-    print(out)
+    # Written into a hidden temporary beside OUT, renamed to OUT when complete (jaxpi.atomic).
+    with atomic_dir(args.out, overwrite=args.overwrite) as tmp:
+        if text is not None:
+            make_hf_checkpoint(
+                tmp,
+                text,
+                kind=args.kind,
+                tie=args.tied,
+                weights=args.weights,
+                strong_decay=args.strong_decay,
+                seed=args.seed,
+            )
+        else:
+            cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
+            # With the tiny tokenizer (its chat template included): `jaxpi serve --model OUT` runs as is.
+            make_checkpoint(tmp, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype, tokenizer=True)
+    print(args.out)
     return 0

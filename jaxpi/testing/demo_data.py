@@ -11,15 +11,13 @@ effort levels. Some are deliberately malformed or failed so every admission gate
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxpi.atomic import atomic_dir
 from jaxpi.data.gates import PI_EFFORTS
 from jaxpi.data.tiny_tokenizer import ASSETS, tokenizer_files
 from jaxpi.data.tools import pi_tools
@@ -475,24 +473,12 @@ def demo_files(seed: int = 0) -> dict[str, str]:
 
 
 def write_tree(root: Path, files: dict[str, str]) -> None:
-    """Replace directory `root` with exactly `files`, atomically (temp dir + rename)."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-    tmp.chmod(0o755)  # mkdtemp makes 0700; the assets are package data
-    try:
+    """Replace directory `root` with exactly `files`, atomically (`jaxpi.atomic.atomic_dir`)."""
+    with atomic_dir(root, overwrite=True) as tmp:
         for rel, text in files.items():
             p = tmp / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text, encoding="utf-8")
-        old = root.with_name(root.name + ".old")
-        if root.exists():
-            os.replace(root, old)
-        os.replace(tmp, root)
-        if old.exists():
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_demo(assets: Path = ASSETS, seed: int = 0) -> dict[str, Path]:

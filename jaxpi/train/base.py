@@ -13,13 +13,12 @@ the trainers never import the experiments that define them. A builder is called 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from jaxpi.atomic import atomic_dir
 from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, TINY, parse_attn_kernel, parse_gdn_kernel
 
 TINY_RANDOM = "tiny-random"
@@ -109,11 +108,9 @@ BaseBuilder = Callable[[Path, BaseRequest], Path]
 def _tiny_random(out_dir: Path, request: BaseRequest) -> Path:
     from jaxpi.convert.tiny import make_checkpoint  # torch and transformers, when asked for
 
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model_cfg = TINY.replace(num_hidden_layers=request.layers)
-    make_checkpoint(tmp, model_cfg, seed=request.seed, tokenizer=True)  # the bundled tiny tokenizer
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        make_checkpoint(tmp, model_cfg, seed=request.seed, tokenizer=True)  # the bundled tiny tokenizer
     return out_dir
 
 

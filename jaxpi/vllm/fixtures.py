@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from jaxpi.atomic import atomic_dir
 from jaxpi.config import TINY, QwenConfig
 from jaxpi.convert.tiny import make_checkpoint
 
@@ -22,9 +23,8 @@ def make_vllm_checkpoint(out: str | os.PathLike, *, seed: int = 0, layers: int =
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    make_checkpoint(
-        tmp, VLLM_TINY.replace(num_hidden_layers=layers), seed=seed, dtype="bfloat16", tokenizer=True
-    )
-    os.replace(tmp, out)
+    with atomic_dir(out, overwrite=True) as tmp:
+        make_checkpoint(
+            tmp, VLLM_TINY.replace(num_hidden_layers=layers), seed=seed, dtype="bfloat16", tokenizer=True
+        )
     return out
