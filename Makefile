@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps pi demo demo-full test test-slow lint format clean
+.PHONY: install system-deps pi vllm demo demo-full test test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ system-deps:
 pi: $(STAMP)
 	$(BIN)/jaxpi pi setup
 
+# The vLLM server's own virtualenv, built once per machine (~/.cache/jaxpi, outside the checkout).
+vllm: $(STAMP)
+	$(BIN)/jaxpi vllm setup
+
 demo: $(STAMP)
 	$(BIN)/jaxpi demo --out demo_out
 
@@ -35,7 +39,7 @@ demo-full: $(STAMP)
 # module-scoped fixtures are built once; most of the suite is single-threaded XLA compiles and
 # waits on servers and subprocesses. JOBS=0 runs everything in this process.
 JOBS ?= 2
-test: $(STAMP) system-deps pi
+test: $(STAMP) system-deps pi vllm
 	$(BIN)/pytest -m "not slow" -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test-slow: $(STAMP)

@@ -94,7 +94,7 @@ def command(sft_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 def environ(cache: Path | None = None) -> dict[str, str]:
-    env = child_env()  # one device, as a user's CPU run
+    env = child_env(fast_compile=False)  # one device and XLA's defaults, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
     if cache is not None:  # every program stored, so that a resume compiling anything shows
         env["JAXPI_COMPILE_CACHE"] = str(cache)

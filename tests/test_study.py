@@ -50,7 +50,7 @@ def command(out: Path, *extra: str, sft: list[str] = SFT, grpo: list[str] = GRPO
 
 
 def environ() -> dict[str, str]:
-    env = child_env()  # one device, as a user's CPU run
+    env = child_env(fast_compile=False)  # one device and XLA's defaults, as a user's CPU run
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -317,7 +317,7 @@ def grpo_command(model_dir, url, out, *extra):
 
 
 def environ():
-    env = child_env()
+    env = child_env(fast_compile=False)  # a GRPO run: XLA's defaults, as a user's
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
