@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxpi.experiments.toy.study_config import ARMS
 from jaxpi.experiments.toy.study_stats import PAIRS, difference, point_value
-from jaxpi.stats.plots import pyplot, save_png
+from jaxpi.stats.plots import pyplot, save_png, step_axis
 from jaxpi.stats.table import markdown_table
 
 
@@ -141,7 +141,9 @@ def plot_study(
                 continue
             x = [p[0] for p in series if p[1] is not None]
             y = [p[1] for p in series if p[1] is not None]
-            ax.plot(x, y, "-", color=c, lw=0.8, alpha=0.45)
+            ax.plot(
+                x, y, "-", color=c, lw=0.8, alpha=0.45, label=None if curves else "one seed's collections"
+            )
             curves[s["seed"]] = dict(series)
         steps = sorted({x for cur in curves.values() for x in cur})
         if steps:
@@ -166,12 +168,14 @@ def plot_study(
                     capsize=4,
                     label=("held-out start" if key == "start" else "held-out end") + " [95% t over seeds]",
                 )
-        ax.axhline(1.0, color="k", ls="--", lw=1)
+        ax.axhline(1.0, color="k", ls="--", lw=1, label="T_L = T_M (no ordering)")
         ax.set_title(f"{ARMS[arm]} GRPO ({len(curves)} seeds)")
-        ax.set_xlabel("policy updates")
+        # Integer ticks over every point drawn: the held-out start at 0, the end after the last.
+        step_axis(ax, [0, *(x + 1 for x in steps[-1:])], "policy updates")
         ax.grid(alpha=0.3)
         if curves:
-            ax.legend(fontsize="small", loc="upper right")
+            # Below the panel: inside, it would cover the seeds' points or the end's interval.
+            ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     axes[0, 0].set_ylabel("T_L/T_M (above 1: low reasons longer)")
     try:
         return save_png(fig, path)
