@@ -202,8 +202,8 @@ def test_tiny_checkpoint_is_written_atomically_and_keeps_what_is_there(tmp_path,
     import jaxpi.hf_fixtures as fixtures
 
     def broken(tmp, *a, **k):
-        (Path(tmp) / "config.json").write_text("{}")  # half a checkpoint, then the failure
-        raise ValueError("disk full")
+        (Path(tmp) / "config.json").write_text("{}")  # half a checkpoint, then a failure
+        raise ValueError("the write failed half-way")
 
     monkeypatch.setattr(fixtures, "make_checkpoint", broken)
     assert main(["tiny-checkpoint", str(out), "--layers", "2", "--overwrite"]) == 2
@@ -213,3 +213,13 @@ def test_tiny_checkpoint_is_written_atomically_and_keeps_what_is_there(tmp_path,
     assert main(["tiny-checkpoint", str(out), "--layers", "2", "--overwrite"]) == 0
     assert (out / "config.json").is_file() and not (out / "mine.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_vllm_tiny_checkpoint_keeps_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
+    """A non-empty OUT without config.json is refused (exit 2) with its files untouched."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    assert main(["vllm", "tiny-checkpoint", str(out)]) == 2
+    assert "give --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

@@ -3,7 +3,7 @@
 jaxpi vllm setup [--venv DIR] [--kind cpu|cuda] [--force] [--config FILE_OR_NAME] [key=value ...] [--json]
 jaxpi vllm serve --model DIR [--port P] [--max-lora-rank R] [--max-model-len N] [--config FILE_OR_NAME]
                  [key=value ...] [--json]
-jaxpi vllm tiny-checkpoint OUT [--layers N] [--seed S] [--json]
+jaxpi vllm tiny-checkpoint OUT [--layers N] [--seed S] [--overwrite] [--json]
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     tc.add_argument("out")
     tc.add_argument("--layers", type=int, default=4)
     tc.add_argument("--seed", type=int, default=0)
+    tc.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it is not empty and not a checkpoint"
+    )
     tc.add_argument("--json", action="store_true", help="print one JSON object: the directory and its files")
     tc.set_defaults(fn=cmd_tiny)
 
@@ -143,7 +146,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 def cmd_tiny(args: argparse.Namespace) -> int:
     from jaxpi.vllm.fixtures import make_vllm_checkpoint
 
-    out = make_vllm_checkpoint(args.out, seed=args.seed, layers=args.layers)
+    out = make_vllm_checkpoint(args.out, seed=args.seed, layers=args.layers, overwrite=args.overwrite)
     emit({"output": str(out), "files": sorted(p.name for p in out.iterdir())}, args.json, str(out))
     return 0
 

@@ -15,29 +15,29 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-SUITE = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+DEVICE_COUNT = "--xla_force_host_platform_device_count"
+LEVEL = "--xla_backend_optimization_level"
+FAST_COMPILE = f"{LEVEL}=0"
+SUITE = f"{DEVICE_COUNT}=8 {FAST_COMPILE}"
 
 
 def child_env(
     env: Mapping[str, str] | None = None, *, devices: int | None = None, fast_compile: bool = True
 ) -> dict[str, str]:
-    """`env` (default os.environ) for a child process: the suite's compile level, and `devices`
-    virtual CPU devices (None: one, as a user's CPU run), whatever device count `env` held.
-    `fast_compile=False`: XLA's default level, for children that run their programs for long
-    (a GRPO run decodes thousands of tokens: level 0's unvectorised code made tests/test_study.py
-    take 308 s against 259 at the default, measured in one `make test` each, 2026-12-03)."""
+    """`env` (default os.environ) for a child process: its XLA_FLAGS with the device count
+    replaced by `devices` virtual CPU devices (None: one, as a user's CPU run); every other flag
+    (the suite's compile level, or whatever the caller's XLA_FLAGS held) is kept.
+    `fast_compile=False` also drops the compile level, for children that run their programs for
+    long (a GRPO run decodes thousands of tokens: level 0's unvectorised code made
+    tests/test_study.py take 308 s against 259 at the default, one `make test` each, 2026-12-03)."""
     out = dict(os.environ if env is None else env)
-    if not fast_compile or (
-        os.environ.get("XLA_FLAGS", SUITE) != SUITE and FAST_COMPILE not in os.environ.get("XLA_FLAGS", "")
-    ):
-        fast = ""  # the suite runs under the caller's own XLA_FLAGS: their compile level too
-    else:
-        fast = FAST_COMPILE
-    count = f"--xla_force_host_platform_device_count={devices}" if devices else ""
-    flags = f"{count} {fast}".strip()
+    flags = [f for f in out.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT)]
+    if not fast_compile:
+        flags = [f for f in flags if not f.startswith(LEVEL)]
+    if devices:
+        flags.insert(0, f"{DEVICE_COUNT}={devices}")
     if flags:
-        out["XLA_FLAGS"] = flags
+        out["XLA_FLAGS"] = " ".join(flags)
     else:
         out.pop("XLA_FLAGS", None)
     return out

@@ -18,12 +18,16 @@ from jaxpi.convert.tiny import make_checkpoint
 VLLM_TINY: QwenConfig = TINY.replace(linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-def make_vllm_checkpoint(out: str | os.PathLike, *, seed: int = 0, layers: int = 4) -> Path:
-    """Write the tiny vLLM-compatible checkpoint (bf16, tokenizer included) into `out` atomically."""
+def make_vllm_checkpoint(
+    out: str | os.PathLike, *, seed: int = 0, layers: int = 4, overwrite: bool = False
+) -> Path:
+    """Write the tiny vLLM-compatible checkpoint (bf16, tokenizer included) into `out` atomically;
+    an `out` with a config.json is reused, any other non-empty `out` is a FileExistsError unless
+    `overwrite`."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         make_checkpoint(
             tmp, VLLM_TINY.replace(num_hidden_layers=layers), seed=seed, dtype="bfloat16", tokenizer=True
         )
