@@ -186,6 +186,21 @@ def atomic_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[P
 
 
 @contextlib.contextmanager
+def scratch_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A working directory beside `out` for an output built in steps (e.g. a merge, then its
+    quantization): named as `atomic_dir`'s temporaries, so the next write of `out` removes it if
+    this process is killed, and removed when the block ends, however it ends."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out)
+    tmp = _temp_dir(out, "partial")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Write one file atomically: `with atomic_file(path) as f: f.write(...)`; the file gets the
     umask's permissions (not mkstemp's 0600) and replaces `path` only when the block succeeds."""

@@ -50,9 +50,9 @@ CARRIED_PREFIXES = ("model.visual.", "mtp.")
 FLOAT_CODES = ("F32", "BF16", "F16")
 MAX_SHARD_BYTES = 5 * 1024**3
 # Everything in a checkpoint directory that is neither weights nor config travels with an export.
-_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+NOT_COPIED = {"config.json", "model.safetensors.index.json"}
 # Weights in any format are never copied: the export's own safetensors replace them.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".index.json")
 
 ShardingFn = Callable[[tuple, tuple], jax.sharding.Sharding]
 
@@ -289,11 +289,11 @@ def save_hf(
         planned.append(PlannedTensor(name, info.dtype, info.shape, raw, size=info.end - info.begin))
 
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        _write_shards(tmp, planned, max_shard_bytes, progress)
+        write_shards(tmp, planned, max_shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(_export_config(cfg, src, planned), indent=2) + "\n")
         if src is not None:
             for f in src.iterdir():
-                if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES):
+                if f.is_file() and f.name not in NOT_COPIED and not f.name.endswith(WEIGHT_SUFFIXES):
                     shutil.copyfile(f, tmp / f.name)  # the umask's mode, not the source's
     return out
 
@@ -325,7 +325,8 @@ def _shards(planned: list[PlannedTensor], max_bytes: int) -> Iterator[list[Plann
         yield shard
 
 
-def _write_shards(tmp: Path, planned: list[PlannedTensor], max_bytes: int, progress: bool) -> None:
+def write_shards(tmp: Path, planned: list[PlannedTensor], max_bytes: int, progress: bool) -> None:
+    """Write `planned` into `tmp` as `model.safetensors`, or as <= `max_bytes` shards with an index."""
     shards = list(_shards(planned, max_bytes))
     total = sum(t.nbytes for t in planned)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="saving", disable=not progress)

@@ -283,3 +283,18 @@ def stack_index(cfg: QwenConfig, rule: Rule) -> int | None:
         return None
     where, _, g = layer_location(cfg, rule.layer)
     return g if where == "groups" else None
+
+
+def mtp_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """The 15 tensors of the one-layer MTP head (`mtp.*`) released Qwen3.5 checkpoints carry and
+    jaxpi does not model (it is carried byte for byte): a full-attention decoder layer, the
+    projection of [embedding; hidden] back to the width, and three norms."""
+    d = cfg.hidden_size
+    layer = {r.hf: r.hf_shape for r in _layer_rules(cfg, 0, FULL, "mtp.layers.0.")}
+    return {
+        "mtp.fc.weight": (d, 2 * d),
+        "mtp.pre_fc_norm_embedding.weight": (d,),
+        "mtp.pre_fc_norm_hidden.weight": (d,),
+        "mtp.norm.weight": (d,),
+        **layer,
+    }

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpi.config import TINY, QwenConfig
 from jaxpi.convert.safetensors_io import CODES, PlannedTensor, read_index, read_raw, write_file
+from jaxpi.convert.table import mtp_shapes
 from jaxpi.data.tiny_tokenizer import ASSETS, VOCAB_SIZE
 
 
@@ -197,18 +198,11 @@ def _copy_tiny_tokenizer(out: Path, cfg: QwenConfig) -> None:
 
 
 def _append_mtp(out: Path, cfg: QwenConfig, seed: int) -> None:
-    """Add a few `mtp.*` tensors (bf16, as released checkpoints store them) to the single shard."""
+    """Add the MTP head's 15 `mtp.*` tensors (bf16, as released checkpoints store them) to the single shard."""
     import ml_dtypes
 
     rng = np.random.default_rng(seed + 1)
-    d = cfg.hidden_size
-    extra = {
-        "mtp.fc.weight": (d, 2 * d),
-        "mtp.pre_fc_norm_embedding.weight": (d,),
-        "mtp.pre_fc_norm_hidden.weight": (d,),
-        "mtp.norm.weight": (d,),
-        "mtp.layers.0.mlp.down_proj.weight": (d, cfg.intermediate_size),
-    }
+    extra = mtp_shapes(cfg)
     index = read_index(out)
     planned = [PlannedTensor(n, i.dtype, i.shape, lambda i=i: read_raw(i)) for n, i in sorted(index.items())]
     for name, shape in extra.items():
