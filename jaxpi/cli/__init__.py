@@ -6,7 +6,8 @@ jaxpi convert --from DIR --to OUT [--dtype bfloat16] [--max-shard-size 5GB] [--c
 jaxpi tiny-checkpoint OUT [--kind causal|conditional] [--layers N] [--seed S] [--dtype float32]
 jaxpi data check PATHS... [--tokenizer DIR] [--json]
 jaxpi sft --config configs/sft/tiny.yaml [key.sub=value ...] [--json]
-jaxpi export --adapter RUN_OR_CKPT [--base HF_DIR] --out DIR [--merged] [--json]
+jaxpi export --adapter RUN_OR_CKPT [--base HF_DIR] --out DIR [--merged | --format fp8] [--json]
+jaxpi export --format fp8 --base HF_DIR --out DIR | --size-of qwen3_5_27b [--json]
 jaxpi plan --preset NAME | --model M --mesh SPEC --strategy S ... [--json]
 jaxpi demo [--out DIR] [--json]
 ... and the rest of `jaxpi --help`; `jaxpi --version` prints the package's version.

@@ -1,6 +1,9 @@
-"""`jaxpi export`: a trained adapter out as a peft LoRA adapter, or merged into a full HF checkpoint.
+"""`jaxpi export`: a trained adapter out as a peft LoRA adapter, merged into a full HF checkpoint,
+or merged and stored as block-wise FP8; or a HF checkpoint on its own as FP8.
 
-    jaxpi export --adapter CKPT --base HF_DIR --out DIR [--merged] [--dtype D] [--json]
+    jaxpi export --adapter CKPT --base HF_DIR --out DIR [--merged | --format fp8] [--dtype D] [--json]
+    jaxpi export --format fp8 --base HF_DIR --out DIR [--json]
+    jaxpi export --format fp8 --size-of qwen3_5_27b [--json]      # the export's size, no weights
 
 CKPT is a peft adapter directory (it has `adapter_config.json`) or a jaxpi trainer checkpoint
 (a run directory, its `checkpoints/` directory or one step), read by
@@ -14,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
+from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
-from jaxpi.train.export import DTYPES, export
+from jaxpi.train.export import DTYPES, FORMATS, export
 
 
 def add_subparser(sub: Any) -> None:
@@ -27,17 +33,38 @@ def add_subparser(sub: Any) -> None:
         help=help_for("export"),
         description="Export a LoRA adapter (a peft adapter directory or a jaxpi trainer checkpoint) for the "
         "HF base checkpoint --base: a peft adapter whose tensor names match the base's architecture "
-        "(peft and vLLM load it), or with --merged a full HF checkpoint of base + adapter. Written atomically.",
+        "(peft and vLLM load it), with --merged a full HF checkpoint of base + adapter, or with --format fp8 "
+        "that checkpoint (or --base alone) in block-wise FP8 as Qwen's FP8 releases store it. Written atomically.",
     )
-    ex.add_argument("--adapter", required=True, help="peft adapter directory or jaxpi trainer checkpoint")
+    ex.add_argument(
+        "--adapter",
+        default=None,
+        help="peft adapter directory or jaxpi trainer checkpoint (required but for --format fp8, "
+        "which without it converts --base itself)",
+    )
     ex.add_argument("--base", default=None, help="HF base checkpoint directory (default: the checkpoint's)")
-    ex.add_argument("--out", required=True, help="output directory")
-    ex.add_argument("--merged", action="store_true", help="write base + adapter as a full HF checkpoint")
+    ex.add_argument("--out", default=None, help="output directory")
+    ex.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="peft (default): the adapter; merged: base + adapter as a full HF checkpoint; fp8: the merged "
+        "checkpoint (or --base alone) with its linear weights in block-wise FP8 E4M3, 128x128 blocks (docs/export.md)",
+    )
+    ex.add_argument("--merged", action="store_true", help="the same as --format merged")
     ex.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,
-        help="stored dtype (default: float32 for an adapter, the base's dtypes for --merged)",
+        help="stored dtype (default: float32 for an adapter, the base's dtypes for --merged; for fp8 the "
+        "dtype of the tensors it keeps unquantized)",
+    )
+    ex.add_argument(
+        "--size-of",
+        default=None,
+        metavar="MODEL",
+        help="with --format fp8: print the export's size for a preset (qwen3_5_27b, qwen3_5_9b, tiny: with the "
+        "vision tower and MTP head they ship) or a checkpoint's config.json, and write nothing",
     )
     ex.add_argument("--base-name", default=None, help="base_model_name_or_path to record (default: --base)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -46,11 +73,20 @@ def add_subparser(sub: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    fmt = args.format or ("merged" if args.merged else "peft")
+    if args.merged and fmt != "merged":
+        raise ValueError(f"--merged and --format {fmt} disagree: give one of them")
+    if args.size_of is not None:
+        if fmt != "fp8":
+            raise ValueError("--size-of reports the fp8 export's size: give --format fp8")
+        return _size_of(args.size_of, args.json)
+    if args.out is None:
+        raise ValueError("--out is required (the output directory)")
     summary = export(
         args.adapter,
         args.out,
         base=args.base,
-        merged=args.merged,
+        fmt=fmt,
         dtype=args.dtype,
         base_name=args.base_name,
         overwrite=args.overwrite,
@@ -58,10 +94,61 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(summary, indent=2))
+    elif fmt == "fp8":
+        if summary["ragged"]:
+            print(
+                f"note: {len(summary['ragged'])} weights end in a partial 128x128 block (e.g. {summary['ragged'][0]}): "
+                "vLLM reads them; transformers' CPU dequantization (5.24) mis-scales them",
+                file=sys.stderr,
+            )
+        print(
+            f"wrote FP8 checkpoint {summary['output']} ({summary['quantized_tensors']} linear weights in "
+            f"{summary['block'][0]}x{summary['block'][1]} E4M3 blocks, {summary['kept_tensors']} tensors kept; "
+            f"{_gb(summary['bytes'])} from {_gb(summary['source_bytes'])})"
+        )
     else:
-        what = "merged checkpoint" if args.merged else "peft adapter"
+        what = "merged checkpoint" if fmt == "merged" else "peft adapter"
         print(
             f"wrote {what} {summary['output']} ({summary['modules']} adapted modules, r={summary['rank']}, "
             f"from {summary['source']} {summary['adapter']})"
         )
+    return 0
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _size_of(model: str, as_json: bool) -> int:
+    from jaxpi.config import PRESETS, QwenConfig
+    from jaxpi.convert.fp8 import VISION_DEFAULTS, fp8_size
+
+    if model in PRESETS:
+        cfg, vision, mtp = (
+            PRESETS[model],
+            (None if model == "tiny" else dict(VISION_DEFAULTS)),
+            model != "tiny",
+        )
+    else:
+        path = Path(model)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{model}: neither a preset ({', '.join(PRESETS)}) nor a config.json")
+        raw = json.loads(path.read_text())
+        cfg = QwenConfig.from_hf(raw)
+        vision = raw.get("vision_config")
+        text = raw.get("text_config", raw)
+        mtp = bool(text.get("mtp_num_hidden_layers"))
+    report = {"model": model, **fp8_size(cfg, vision=vision, mtp=mtp)}
+    lines = [
+        f"{'part':<8}{'tensors':>9}{'params':>16}{'BF16':>12}{'FP8':>12}  (FP8: E4M3 weights + float32 scales)"
+    ]
+    for part, r in report["parts"].items():
+        lines.append(
+            f"{part:<8}{r['tensors']:>9}{r['params']:>16,}{_gb(r['bf16_bytes']):>12}{_gb(r['bytes']):>12}"
+        )
+    lines.append(
+        f"{'total':<8}{report['tensors']:>9}{report['params']:>16,}{_gb(report['bf16_bytes']):>12}{_gb(report['bytes']):>12}"
+    )
+    emit(report, as_json, "\n".join(lines))
     return 0

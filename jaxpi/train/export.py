@@ -1,11 +1,12 @@
-"""`export()`: a trained adapter out as a peft LoRA adapter, or merged into a full HF checkpoint
-(what `jaxpi export` runs).
+"""`export()`: a trained adapter out as a peft LoRA adapter, merged into a full HF checkpoint, or
+merged and stored as block-wise FP8 (what `jaxpi export` runs).
 
 The adapter is a peft adapter directory (it has `adapter_config.json`) or a jaxpi trainer
 checkpoint (a run directory, its `checkpoints/` directory or one step), read by
 `jaxpi.train.checkpoint.load_adapter`; for those, the base defaults to the one recorded in the
 checkpoint. The peft export needs only the base's `config.json` (no weights are loaded); the
-merged export loads the base, folds the adapter in and writes it with `save_hf`.
+merged export loads the base, folds the adapter in and writes it with `save_hf`. The FP8 export
+(`jaxpi.convert.fp8`) quantizes the merged checkpoint, or with no adapter the base itself.
 """
 
 from __future__ import annotations
@@ -15,27 +16,43 @@ from typing import Any
 
 from flax import nnx
 
+from jaxpi.atomic import scratch_dir
 from jaxpi.config import QwenConfig
+from jaxpi.convert.fp8 import export_fp8
 from jaxpi.convert.hf import load_hf
 from jaxpi.convert.safetensors_io import read_index
 from jaxpi.lora import add_lora, select_modules
 from jaxpi.lora.peft import CONFIG_NAME, abstract_lora_model, load_peft, save_merged, save_peft
 
 DTYPES = ["float32", "bfloat16", "float16"]
+FORMATS = ["peft", "merged", "fp8"]
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def export(
-    adapter: str | Path,
+    adapter: str | Path | None,
     out: str | Path,
     *,
     base: str | Path | None = None,
     merged: bool = False,
+    fmt: str | None = None,
     dtype: str | None = None,
     base_name: str | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Read the adapter, write the export, return a summary (what `jaxpi export` prints)."""
+    """Read the adapter, write the export, return a summary (what `jaxpi export` prints).
+
+    `fmt` is "peft" (the default), "merged" (also `merged=True`) or "fp8": the merged checkpoint
+    in block-wise FP8, or with `adapter=None` the base checkpoint itself in FP8."""
+    fmt = fmt or ("merged" if merged else "peft")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
+    if fmt == "fp8":
+        return _export_fp8(adapter, Path(out), base=base, dtype=dtype, overwrite=overwrite, progress=progress)
+    if adapter is None:
+        raise ValueError(f"--adapter is required for the {fmt} export (only fp8 converts a base on its own)")
+    merged = fmt == "merged"
     adapter = Path(adapter)
     if not adapter.exists():
         raise FileNotFoundError(f"{adapter}: no such adapter directory or checkpoint")
@@ -84,6 +101,33 @@ def export(
         "alpha": lcfg.alpha,
         "modules": len(select_modules(cfg, lcfg)),
     }
+
+
+def _export_fp8(
+    adapter: str | Path | None,
+    out: Path,
+    *,
+    base: str | Path | None,
+    dtype: str | None,
+    overwrite: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """FP8 of `base` (no adapter), or of base + adapter merged first into a scratch directory
+    beside `out` (removed afterwards, and by the next export if this one is killed)."""
+    code = _CODES[dtype] if dtype is not None else None
+    if adapter is None:
+        if base is None:
+            raise ValueError(
+                "the fp8 export needs --base (a HF checkpoint) or --adapter (a run to merge first)"
+            )
+        summary = export_fp8(base, out, dtype=code, overwrite=overwrite, progress=progress)
+        return {**summary, "adapter": None}
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; give --overwrite to replace it")
+    with scratch_dir(out) as scratch:
+        merged = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
+        summary = export_fp8(scratch / "merged", out, dtype=code, overwrite=overwrite, progress=progress)
+    return {**summary, "source": merged["source"], "adapter": merged["adapter"], "base": merged["base"]}
 
 
 def _load_trainer_checkpoint(path: Path) -> tuple[nnx.State, Any, dict[str, Any]]:
