@@ -6,6 +6,13 @@ axes each logical axis is split over, once for parameters and once for activatio
 else — `PartitionSpec`s, `NamedSharding`s for a parameter state, an optax state, a batch, the
 resolver the model's `constrain` calls — is derived here from those two tables and a mesh.
 
+LoRA factors follow the table like every parameter (A has the adapted weight's input axes and
+`lora_rank`, B `lora_rank` and its output axes), so a factor whose axes the table does not split
+would sit whole on every device (under FSDP: B of q_proj, A of down_proj, ...). A strategy's
+`adapters` mesh axes (ZeRO-3 for the adapters; `fsdp` in the FSDP strategies) take such a factor:
+it is split over them on its largest dimension they divide (never `layers` or `lora_rank`), and
+its optimizer state with it.
+
 Resolution rules (`spec_for`):
 - mesh axes the mesh lacks, or of size 1, are dropped (one table serves every mesh shape);
 - two logical axes of one tensor on the same mesh axis is an error (`ShardingCollisionError`);
@@ -99,6 +106,8 @@ class Strategy:
     params: Mapping[str, MeshAxes] = field(default_factory=dict, hash=False)
     activations: Mapping[str, MeshAxes] = field(default_factory=dict, hash=False)
     description: str = field(default="", compare=False)
+    # Mesh axes a LoRA factor the params table leaves on none of them is split over (see above).
+    adapters: MeshAxes = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -108,11 +117,12 @@ class Strategy:
         object.__setattr__(
             self, "activations", _as_table(self.activations, f"strategy {self.name!r} activations")
         )
+        object.__setattr__(self, "adapters", _as_axes(self.adapters, f"strategy {self.name!r} adapters"))
 
     def mesh_axes(self) -> tuple[str, ...]:
         """Every mesh axis the strategy uses, in table order."""
         seen = [a for t in (self.params, self.activations) for axes in t.values() for a in axes]
-        return tuple(dict.fromkeys(seen))
+        return tuple(dict.fromkeys([*seen, *self.adapters]))
 
     def describe(self) -> str:
         """The two tables as text (one line per logical axis)."""
@@ -125,6 +135,8 @@ class Strategy:
             f"  {k:<12} params: {fmt(self.params, k):<12} activations: {fmt(self.activations, k)}"
             for k in keys
         ]
+        if self.adapters:
+            rows.append(f"  {'(adapters)':<12} params: {','.join(self.adapters)}")
         return "\n".join([f"{self.name}: {self.description}".rstrip(": "), *rows])
 
 
@@ -144,6 +156,7 @@ FSDP = Strategy(
     params={"embed": "fsdp"},
     activations=_BATCH,
     description="ZeRO-3: params, grads and optimizer state split on embed over fsdp; batch split",
+    adapters="fsdp",
 )
 TP = Strategy(
     "tp",
@@ -156,6 +169,7 @@ FSDP_TP = Strategy(
     params={"embed": "fsdp", **_MEGATRON},
     activations={**_BATCH, **_MEGATRON},
     description="ZeRO-3 over fsdp combined with Megatron tensor parallelism over tensor",
+    adapters="fsdp",
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP)}
@@ -253,9 +267,44 @@ def param_shardings(
         if axes is None:
             return var.replace(NamedSharding(mesh, PartitionSpec()))
         spec = spec_for(axes, shape, strategy.params, mesh, name=_path_str(path), fallbacks=fallbacks)
+        if LORA_RANK in axes:
+            spec = adapter_spec(spec, axes, shape, strategy.adapters, mesh)
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+LORA_RANK = "lora_rank"  # the logical axis of a LoRA factor's rank (jaxpi.lora)
+_NEVER_SPREAD = (LORA_RANK, "layers")
+
+
+def adapter_spec(
+    spec: PartitionSpec,
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    over: Sequence[str],
+    mesh: MeshLike | Mapping[str, int],
+) -> PartitionSpec:
+    """`spec` of a LoRA factor, split over the mesh axes `over` on its largest free dimension they
+    divide when the table put it on none of them (see the module docstring); else `spec`."""
+    sizes = dict(mesh.shape) if not isinstance(mesh, Mapping) else dict(mesh)
+    over = tuple(a for a in over if sizes.get(a, 1) > 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if not over or used & set(over):
+        return spec
+    n = math.prod(sizes[a] for a in over)
+    free = [
+        i
+        for i, (ax, e) in enumerate(zip(axes, entries, strict=True))
+        if e is None and ax not in _NEVER_SPREAD
+    ]
+    fits = [i for i in free if shape[i] % n == 0]
+    if not fits:
+        return spec
+    i = max(fits, key=lambda k: (shape[k], -k))  # the largest; the first of equals
+    entries[i] = over[0] if len(over) == 1 else over
+    return PartitionSpec(*entries)
 
 
 def _path_str(path: tuple) -> str:

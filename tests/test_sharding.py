@@ -25,6 +25,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +39,7 @@ from jaxpi.train.step import (
     loss_and_grads,
     make_train_step,
     next_token_loss,
+    split_trainable,
 )
 from sharding import mesh as mesh_lib
 from sharding.mesh import abstract_mesh, device_grid, initialize_distributed, make_mesh, parse_mesh_spec
@@ -50,6 +53,7 @@ from sharding.strategies import (
     ShardingCollisionError,
     Strategy,
     activation_resolver,
+    adapter_spec,
     batch_sharding,
     get_strategy,
     loader_shardings,
@@ -483,6 +487,87 @@ def test_sharded_step_equals_one_device(reference, name, spec):
             assert rel_err(fn(array), fn(want.get_value())) < GRAD_RTOL, (moment, path)
     for leaf in jax.tree.leaves(new_opt):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh
+
+
+# ---- LoRA factors under ZeRO-3 ---------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    dims=st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 48, 64, 96]), min_size=1, max_size=4),
+    rank_at=st.integers(0, 3),
+    fsdp=st.sampled_from([1, 2, 4, 8]),
+    tensor=st.sampled_from([1, 2]),
+)
+def test_adapter_spec_splits_the_largest_free_dimension_it_divides(dims, rank_at, fsdp, tensor):
+    """Against the rule written out: a factor the table leaves off `fsdp` is split over it on its
+    largest dimension fsdp divides (not `lora_rank`, not `layers`); otherwise left as it is."""
+    names = ["layers", "embed", "q_heads", "head_dim"][: len(dims)]
+    axes = list(names)
+    axes.insert(min(rank_at, len(axes)), "lora_rank")
+    shape = list(dims)
+    shape.insert(min(rank_at, len(shape)), 4)
+    sizes = {"fsdp": fsdp, "tensor": tensor}
+    for strategy in (FSDP, FSDP_TP, TP, DP):
+        table_spec = spec_for(axes, shape, strategy.params, sizes)
+        got = adapter_spec(table_spec, axes, shape, strategy.adapters, sizes)
+        entries = list(table_spec) + [None] * (len(shape) - len(table_spec))
+        on_fsdp = any(e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e) for e in entries)
+        free = [i for i, a in enumerate(axes) if entries[i] is None and a not in ("lora_rank", "layers")]
+        fits = [i for i in free if shape[i] % fsdp == 0]
+        if "fsdp" not in strategy.adapters or fsdp == 1 or on_fsdp or not fits:
+            assert got == table_spec
+        else:
+            best = max(shape[i] for i in fits)
+            i = min(i for i in fits if shape[i] == best)
+            assert got == P(*[("fsdp" if k == i else e) for k, e in enumerate(entries)]), (axes, shape)
+
+
+@needs_8
+def test_lora_step_with_split_adapters_equals_one_device():
+    """Under fsdp every LoRA factor of the tiny model (A and B of every linear module, stacked)
+    sits split over fsdp, its Adam moments with it, and the LoRA step equals the one-device step."""
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+
+    abstract = nnx.eval_shape(lambda: add_lora(Qwen3_5ForCausalLM(CFG, rngs=nnx.Rngs(0)), LoraConfig(rank=4)))
+    graphdef, state = nnx.split(abstract)
+    host = jax.tree.map(np.asarray, seeded_noise(state))  # B non-zero: every factor gets a gradient
+    step = make_train_step(graphdef, OPTIMIZER, trainable=LoRAParam)
+    batch = make_batch()
+    params = jax.tree.map(jnp.asarray, host)
+    want_params, _, want = jax.jit(step)(
+        params, init_opt_state(OPTIMIZER, params, trainable=LoRAParam), batch
+    )
+
+    strategy, mesh = FSDP, make_mesh("data=2,fsdp=4")
+    shardings = param_shardings(host, strategy, mesh)
+    lora = [(p, v) for p, v in nnx.to_flat_state(shardings) if isinstance(v, LoRAParam)]
+    whole = sorted({str(p[-1]) for p, v in lora if "fsdp" not in tuple(v.get_value().spec)})
+    # Only B of the delta rule's a and b projections: [layers, rank, 6 value heads], no dimension
+    # fsdp=4 divides (on the 27B, 48 heads on fsdp=64: 73 KB per device in all).
+    assert len(lora) > 20 and whole == ["lora_b_a_proj", "lora_b_b_proj"], whole
+    init = functools.partial(init_opt_state, OPTIMIZER, trainable=LoRAParam)
+    train_abstract, _ = split_trainable(host, LoRAParam)
+    train_shard, _ = split_trainable(shardings, LoRAParam)
+    opt_shardings = opt_state_shardings(jax.eval_shape(init, host), train_abstract, train_shard, mesh)
+    sharded = jax.device_put(host, shardings)
+    opt_state = jax.jit(init, out_shardings=opt_shardings)(sharded)
+    jitted = jit_train_step(
+        step, shardings, opt_shardings, batch_sharding(strategy, mesh, (B, T)), mesh, strategy
+    )
+    new_params, new_opt, metrics = jitted(sharded, opt_state, batch)
+    for key in ("loss", "grad_norm"):
+        assert rel_err(metrics[key], want[key]) < RTOL, key
+    for (path, got), (_, ref) in zip(
+        nnx.to_flat_state(new_params), nnx.to_flat_state(want_params), strict=True
+    ):
+        if isinstance(got, LoRAParam) and str(path[-1]) not in whole:
+            assert "fsdp" in tuple(got.get_value().sharding.spec), path
+        assert rel_err(got.get_value(), ref.get_value()) < RTOL, path
+    for (path, mu), (_, param) in zip(
+        nnx.to_flat_state(new_opt[0].mu),
+        nnx.to_flat_state(split_trainable(new_params, LoRAParam)[0]),
+        strict=True,
+    ):
+        assert mu.get_value().sharding == param.get_value().sharding, path
 
 
 @needs_8
