@@ -334,3 +334,23 @@ def test_size_of_a_config_json_counts_what_it_describes(tmp_path):
     assert report["params"] == sum(int(np.prod(i.shape)) for i in index.values())
     exported = export_fp8(src, tmp_path / "o", dtype="BF16")
     assert exported["bytes"] == report["bytes"]  # the same sizes as the file the export writes
+
+
+def test_sharded_bf16_export_loads_as_the_single_file_one(exported, tmp_path):
+    """Small shards with an index, kept tensors cast to BF16: transformers reads the same model."""
+    from transformers import Qwen3_5ForConditionalGeneration as HF
+
+    out = tmp_path / "sharded"
+    summary = export_fp8(exported.src, out, dtype="BF16", max_shard_bytes=150_000)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    index = read_index(out)
+    assert {i.dtype for i in index.values()} == {"F8_E4M3", "F32", "BF16"}  # scales stay float32
+    assert {i.dtype for n, i in index.items() if n.endswith("weight_scale_inv")} == {"F32"}
+    assert summary["bytes"] == sum(i.end - i.begin for i in index.values())
+    x = torch.from_numpy(IDS)
+    with torch.no_grad():
+        a = HF.from_pretrained(out, dtype=torch.float32).eval()(input_ids=x).logits
+        b = HF.from_pretrained(exported.out, dtype=torch.float32).eval()(input_ids=x).logits
+    # The same FP8 weights; only the kept tensors (embeddings, norms, head) rounded to BF16.
+    assert 0 < float((a - b).abs().max()) < 0.05 * float(b.abs().max())
