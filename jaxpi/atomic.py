@@ -165,6 +165,15 @@ def swap_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old.parent, ignore_errors=True)
 
 
+def refuse_existing(out: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """FileExistsError if `out` exists and is not an empty directory, unless `overwrite` (the
+    check `atomic_dir` makes; a caller with slow work before its write makes it up front)."""
+    out = Path(out)
+    if os.path.lexists(out) and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        # The commands that write through here (convert, export) take --overwrite for `overwrite`.
+        raise FileExistsError(f"{out} exists and is not empty; give --overwrite to replace it")
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Write a directory atomically: `with atomic_dir(out) as tmp:` fill `tmp`; see the module
@@ -172,9 +181,7 @@ def atomic_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[P
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
-    if os.path.lexists(out) and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        # The commands that write through here (convert, export) take --overwrite for `overwrite`.
-        raise FileExistsError(f"{out} exists and is not empty; give --overwrite to replace it")
+    refuse_existing(out, overwrite=overwrite)
     tmp = _temp_dir(out, "partial")
     try:
         yield tmp

@@ -10,8 +10,8 @@ LoRA factors follow the table like every parameter (A has the adapted weight's i
 `lora_rank`, B `lora_rank` and its output axes), so a factor whose axes the table does not split
 would sit whole on every device (under FSDP: B of q_proj, A of down_proj, ...). A strategy's
 `adapters` mesh axes (ZeRO-3 for the adapters; `fsdp` in the FSDP strategies) take such a factor:
-it is split over them on its largest dimension they divide (never `layers` or `lora_rank`), and
-its optimizer state with it. `head_dim` is never used (see `_NEVER_SPREAD`).
+it is split over them on its largest dimension they divide (never `layers`, `lora_rank` or
+`head_dim`: `_NEVER_SPREAD` says why), and its optimizer state with it.
 
 Resolution rules (`spec_for`):
 - mesh axes the mesh lacks, or of size 1, are dropped (one table serves every mesh shape);

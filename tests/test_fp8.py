@@ -234,6 +234,25 @@ def test_ragged_weights_are_listed(tmp_path, capsys):
     assert np.abs(dequantize_blockwise(q, s) - w).max() <= np.abs(w).max() * 2.0**-4
 
 
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("{not json", "config.json"),
+        ('{"model_type": "qwen3_5_text", "hidden_size": "wide"}', "hidden_size"),
+        ('{"model_type": "llama"}', "model_type"),
+    ],
+)
+def test_a_malformed_config_is_named_and_nothing_is_written(tmp_path, capsys, config, says):
+    src = make_checkpoint(tmp_path / "src", TINY, seed=2)
+    (src / "config.json").write_text(config)
+    out = tmp_path / "out"
+    assert cli_main(["export", "--format", "fp8", "--base", str(src), "--out", str(out)]) == 2
+    assert says in capsys.readouterr().err
+    assert cli_main(["export", "--format", "fp8", "--size-of", str(src)]) == 2
+    assert says in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 def test_a_nan_weight_is_named_and_nothing_is_left(tmp_path, capsys):
     src = make_checkpoint(tmp_path / "src", TINY, seed=2)
     tensors = load_file(src / "model.safetensors")
@@ -288,6 +307,8 @@ def test_base_plus_adapter_is_merged_then_quantized(tmp_path, capsys):
     want, got = arrays(merged), arrays(out)
     name = "model.layers.0.mlp.gate_proj.weight"
     q, s = quantize_blockwise(want[name])
+    unmerged, _ = quantize_blockwise(arrays(base)[name])
+    assert not np.array_equal(unmerged.view(np.uint8), q.view(np.uint8))  # the adapter moved the codes
     assert np.array_equal(got[name].view(np.uint8), q.view(np.uint8))
     assert np.array_equal(got[name.replace(".weight", ".weight_scale_inv")], s)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "base", "fp8", "merged"]  # scratch removed
@@ -295,9 +316,31 @@ def test_base_plus_adapter_is_merged_then_quantized(tmp_path, capsys):
 
 
 # ---- sizes without weights -------------------------------------------------------------------------
+# The 27B's one-layer MTP head written out by hand, with the names vLLM's Qwen3.5 MTP module loads
+# (vllm/model_executor/models/qwen3_5_mtp.py: fc over [embedding; hidden], three norms, a decoder
+# layer) and the shapes of a full-attention layer of the 27B (q_proj holds the query and its gate).
+MTP_27B = {
+    "mtp.fc.weight": (5120, 10240),
+    "mtp.norm.weight": (5120,),
+    "mtp.pre_fc_norm_embedding.weight": (5120,),
+    "mtp.pre_fc_norm_hidden.weight": (5120,),
+    "mtp.layers.0.input_layernorm.weight": (5120,),
+    "mtp.layers.0.post_attention_layernorm.weight": (5120,),
+    "mtp.layers.0.self_attn.q_proj.weight": (12288, 5120),
+    "mtp.layers.0.self_attn.k_proj.weight": (1024, 5120),
+    "mtp.layers.0.self_attn.v_proj.weight": (1024, 5120),
+    "mtp.layers.0.self_attn.o_proj.weight": (5120, 6144),
+    "mtp.layers.0.self_attn.q_norm.weight": (256,),
+    "mtp.layers.0.self_attn.k_norm.weight": (256,),
+    "mtp.layers.0.mlp.gate_proj.weight": (17408, 5120),
+    "mtp.layers.0.mlp.up_proj.weight": (17408, 5120),
+    "mtp.layers.0.mlp.down_proj.weight": (5120, 17408),
+}
+
+
 def test_vision_and_mtp_shapes_are_the_checkpoints(tmp_path):
-    """The analytic vision tower is transformers' own module tree (defaults and the tiny one), and
-    the MTP head's 15 tensors are the fixture's (which follows the released checkpoints)."""
+    """The analytic vision tower is transformers' own module tree (defaults and the tiny one); the
+    MTP head is the released 27B's, written out above; the fixture carries the same head."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = {k: v for k, v in TINY.to_hf().items() if k != "architectures"}
@@ -307,6 +350,7 @@ def test_vision_and_mtp_shapes_are_the_checkpoints(tmp_path):
             model = Qwen3_5ForConditionalGeneration(cfg)
         theirs = {n: tuple(p.shape) for n, p in model.state_dict().items() if n.startswith("model.visual.")}
         assert vision_shapes(vision, TINY.hidden_size) == theirs
+    assert mtp_shapes(QWEN3_5_27B) == MTP_27B
     src = make_checkpoint(tmp_path / "c", TINY, kind="conditional", seed=0)
     index = read_index(src)
     assert {n: i.shape for n, i in index.items() if n.startswith("mtp.")} == mtp_shapes(TINY)

@@ -120,8 +120,10 @@ def _gb(n: int) -> str:
 
 
 def _size_of(model: str, as_json: bool) -> int:
-    from jaxpi.config import PRESETS, QwenConfig
+    from jaxpi.config import PRESETS
     from jaxpi.convert.fp8 import VISION_DEFAULTS, fp8_size
+    from jaxpi.convert.hf import read_config
+    from jaxpi.convert.safetensors_io import CheckpointError, read_json
 
     if model in PRESETS:
         cfg, vision, mtp = (
@@ -131,14 +133,15 @@ def _size_of(model: str, as_json: bool) -> int:
         )
     else:
         path = Path(model)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
+        folder = path if path.is_dir() else path.parent
+        if not (folder / "config.json").is_file() or (not path.is_dir() and path.name != "config.json"):
             raise FileNotFoundError(f"{model}: neither a preset ({', '.join(PRESETS)}) nor a config.json")
-        raw = json.loads(path.read_text())
-        cfg = QwenConfig.from_hf(raw)
+        cfg = read_config(folder)  # faults name the file
+        raw = read_json(folder / "config.json", "config", limit=64 * 2**20)
         vision = raw.get("vision_config")
-        text = raw.get("text_config", raw)
-        mtp = bool(text.get("mtp_num_hidden_layers"))
+        if vision is not None and not isinstance(vision, dict):
+            raise CheckpointError(f"{folder / 'config.json'}: vision_config is not an object")
+        mtp = bool(raw.get("text_config", raw).get("mtp_num_hidden_layers"))
     report = {"model": model, **fp8_size(cfg, vision=vision, mtp=mtp)}
     lines = [
         f"{'part':<8}{'tensors':>9}{'params':>16}{'BF16':>12}{'FP8':>12}  (FP8: E4M3 weights + float32 scales)"

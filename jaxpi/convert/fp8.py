@@ -45,9 +45,8 @@ from jaxpi.atomic import atomic_dir
 from jaxpi.convert.hf import (
     FLOAT_CODES,
     MAX_SHARD_BYTES,
-    NOT_COPIED,
-    WEIGHT_SUFFIXES,
     check_checkpoint,
+    copy_side_files,
     read_config,
     text_prefix,
     write_shards,
@@ -59,6 +58,7 @@ from jaxpi.convert.safetensors_io import (
     TensorInfo,
     read_array,
     read_index,
+    read_json,
     read_raw,
 )
 from jaxpi.convert.table import LINEAR_MODULES, mtp_shapes, text_rules
@@ -208,9 +208,9 @@ def export_fp8(
         raise FileNotFoundError(f"{src}: no such checkpoint directory")
     if dtype is not None and dtype not in FLOAT_CODES:
         raise ValueError(f"dtype must be one of {list(FLOAT_CODES)} or None, not {dtype!r}")
-    raw = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
-    cfg = read_config(src)
-    if raw is not None and "quantization_config" in raw:
+    cfg = read_config(src)  # a missing or malformed config.json is an error naming the file
+    raw = read_json(src / "config.json", "config", limit=64 * 2**20)
+    if "quantization_config" in raw or "quantization_config" in raw.get("text_config", {}):
         raise CheckpointError(
             f"{src}/config.json: the checkpoint is already quantized ({raw['quantization_config']})"
         )
@@ -229,9 +229,7 @@ def export_fp8(
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_shards(tmp, planned, max_shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(fp8_config(raw, not_converted, block), indent=2) + "\n")
-        for f in src.iterdir():
-            if f.is_file() and f.name not in NOT_COPIED and not f.name.endswith(WEIGHT_SUFFIXES):
-                (tmp / f.name).write_bytes(f.read_bytes())
+        copy_side_files(src, tmp)
     ragged = [
         n for n in quantized if any(d > b and d % b for d, b in zip(index[n].shape, block, strict=True))
     ]

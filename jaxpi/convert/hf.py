@@ -292,10 +292,16 @@ def save_hf(
         write_shards(tmp, planned, max_shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(_export_config(cfg, src, planned), indent=2) + "\n")
         if src is not None:
-            for f in src.iterdir():
-                if f.is_file() and f.name not in NOT_COPIED and not f.name.endswith(WEIGHT_SUFFIXES):
-                    shutil.copyfile(f, tmp / f.name)  # the umask's mode, not the source's
+            copy_side_files(src, tmp)
     return out
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy the checkpoint's tokenizer, generation and other non-weight, non-config files (with the
+    umask's mode, not the source's)."""
+    for f in src.iterdir():
+        if f.is_file() and f.name not in NOT_COPIED and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(f, dst / f.name)
 
 
 def _producer(

@@ -16,7 +16,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxpi.atomic import scratch_dir
+from jaxpi.atomic import refuse_existing, scratch_dir
 from jaxpi.config import QwenConfig
 from jaxpi.convert.fp8 import export_fp8
 from jaxpi.convert.hf import load_hf
@@ -122,8 +122,7 @@ def _export_fp8(
             )
         summary = export_fp8(base, out, dtype=code, overwrite=overwrite, progress=progress)
         return {**summary, "adapter": None}
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; give --overwrite to replace it")
+    refuse_existing(out, overwrite=overwrite)  # before the merge, not after it
     with scratch_dir(out) as scratch:
         merged = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
         summary = export_fp8(scratch / "merged", out, dtype=code, overwrite=overwrite, progress=progress)
