@@ -12,6 +12,7 @@
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -398,3 +399,31 @@ def test_sharded_bf16_export_loads_as_the_single_file_one(exported, tmp_path):
         b = HF.from_pretrained(exported.out, dtype=torch.float32).eval()(input_ids=x).logits
     # The same FP8 weights; only the kept tensors (embeddings, norms, head) rounded to BF16.
     assert 0 < float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_a_side_file_linked_out_of_the_checkpoint_is_refused(tmp_path, capsys):
+    """As root, a downloaded checkpoint whose tokenizer.json links to a secret must not land in a
+    world-readable export; a HF cache snapshot's links into its own blobs/ are followed."""
+    secret = tmp_path / "secret"
+    secret.write_text("root:x:0:0")
+    src = make_checkpoint(tmp_path / "src", TINY, seed=2)
+    (src / "tokenizer.json").symlink_to(secret)
+    out = tmp_path / "out"
+    assert cli_main(["export", "--format", "fp8", "--base", str(src), "--out", str(out)]) == 2
+    assert "outside the checkpoint" in capsys.readouterr().err and not out.exists()
+    # The hub cache layout: snapshots/REV/file -> ../../blobs/HASH
+    repo = tmp_path / "models--org--tiny"
+    snap = repo / "snapshots" / "abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in (tmp_path / "src").iterdir():
+        if f.name == "tokenizer.json":
+            continue
+        blob = repo / "blobs" / f.name
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    out = tmp_path / "from-cache"
+    assert cli_main(["export", "--format", "fp8", "--base", str(snap), "--out", str(out)]) == 0
+    assert (out / "generation_config.json").read_bytes() == (
+        repo / "blobs" / "generation_config.json"
+    ).read_bytes()

@@ -296,12 +296,32 @@ def save_hf(
     return out
 
 
+def _link_roots(src: Path) -> list[Path]:
+    """Where a side file's symlink may point: inside the checkpoint, or, for a HF hub cache
+    snapshot (`models--X/snapshots/REV`), inside that repo's cache folder (its `blobs/`)."""
+    real = src.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent)
+    return roots
+
+
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy the checkpoint's tokenizer, generation and other non-weight, non-config files (with the
-    umask's mode, not the source's)."""
-    for f in src.iterdir():
-        if f.is_file() and f.name not in NOT_COPIED and not f.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copyfile(f, dst / f.name)
+    umask's mode, not the source's). A symlink is followed only into the checkpoint or its HF
+    cache repo: one that leads elsewhere (e.g. a `tokenizer.json` linked to /etc/shadow in a
+    downloaded directory) is a CheckpointError, not a world-readable copy in the export."""
+    roots = _link_roots(src)
+    for f in sorted(src.iterdir()):
+        if f.name in NOT_COPIED or f.name.endswith(WEIGHT_SUFFIXES) or not f.is_file():
+            continue
+        if f.is_symlink():
+            target = f.resolve()
+            if not any(target.is_relative_to(r) for r in roots):
+                raise CheckpointError(
+                    f"{f}: a symlink to {target}, outside the checkpoint; not copied into the export"
+                )
+        shutil.copyfile(f, dst / f.name)
 
 
 def _producer(
