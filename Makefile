@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps pi vllm demo demo-full test test-slow lint format clean
+.PHONY: install system-deps pi vllm gguf caches demo demo-full test test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,12 @@ pi: $(STAMP)
 vllm: $(STAMP)
 	$(BIN)/jaxpi vllm setup
 
-demo: $(STAMP)
+# llama.cpp (quantizer, imatrix and perplexity tools, libllama) built once per machine from the
+# llama-cpp-python sdist into ~/.cache/jaxpi (~3 min on 2 cores); the GGUF export runs it.
+gguf: $(STAMP)
+	$(BIN)/jaxpi gguf setup
+
+demo: $(STAMP) gguf
 	$(BIN)/jaxpi demo --out demo_out
 
 # The whole toy-scale comparison of effort-ordered and binary GRPO (tens of minutes on 2 cores).
@@ -39,10 +44,14 @@ demo-full: $(STAMP)
 # module-scoped fixtures are built once; most of the suite is single-threaded XLA compiles and
 # waits on servers and subprocesses. JOBS=0 runs everything in this process.
 JOBS ?= 2
-test: $(STAMP) system-deps pi vllm
+# The two cached builds (vLLM's venv: mostly downloads; llama.cpp: compiles) run side by side.
+caches: $(STAMP)
+	$(MAKE) --no-print-directory -j2 vllm gguf
+
+test: $(STAMP) system-deps pi caches
 	$(BIN)/pytest -m "not slow" -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) gguf
 	$(BIN)/pytest -m slow -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)

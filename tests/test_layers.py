@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"jaxpi.config", "sharding"},  # sharding: meshes, strategies, HLO; of jaxpi only the axes
         {"jaxpi.kernels"},  # the dispatchers above their Pallas variants above the jax algorithms
         {"jaxpi.models"},
-        {"jaxpi.data", "jaxpi.sandbox", "jaxpi.stats"},
+        {"jaxpi.data", "jaxpi.sandbox", "jaxpi.stats", "jaxpi.llamacpp"},  # llamacpp: the cached build, run
         {"jaxpi.convert", "jaxpi.rollout", "jaxpi.tasks"},
         {"jaxpi.lora", "jaxpi.envs", "jaxpi.runner"},
         {"jaxpi.train"},
