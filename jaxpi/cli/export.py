@@ -1,9 +1,12 @@
 """`jaxpi export`: a trained adapter out as a peft LoRA adapter, merged into a full HF checkpoint,
-or merged and stored as block-wise FP8; or a HF checkpoint on its own as FP8.
+merged and stored as block-wise FP8 or as GGUF files; the adapter as a llama.cpp LoRA GGUF; or a
+HF checkpoint on its own as FP8 or GGUF.
 
     jaxpi export --adapter CKPT --base HF_DIR --out DIR [--merged | --format fp8] [--dtype D] [--json]
     jaxpi export --format fp8 --base HF_DIR --out DIR [--json]
     jaxpi export --format fp8 --size-of qwen3_5_27b [--json]      # the export's size, no weights
+    jaxpi export --format gguf --base HF_DIR --out DIR --quant Q8_0,Q4_K_M [--sessions DIR [--report]]
+    jaxpi export --format gguf --adapter CKPT [--merged] --out DIR ...   # LoRA GGUF, or merged GGUFs
 
 CKPT is a peft adapter directory (it has `adapter_config.json`) or a jaxpi trainer checkpoint
 (a run directory, its `checkpoints/` directory or one step), read by
@@ -34,7 +37,9 @@ def add_subparser(sub: Any) -> None:
         description="Export a LoRA adapter (a peft adapter directory or a jaxpi trainer checkpoint) for the "
         "HF base checkpoint --base: a peft adapter whose tensor names match the base's architecture "
         "(peft and vLLM load it), with --merged a full HF checkpoint of base + adapter, or with --format fp8 "
-        "that checkpoint (or --base alone) in block-wise FP8 as Qwen's FP8 releases store it. Written atomically.",
+        "that checkpoint (or --base alone) in block-wise FP8 as Qwen's FP8 releases store it, with --format gguf "
+        "llama.cpp GGUF files (the base written by jaxpi, the variants by llama.cpp's quantizer) or, for an "
+        "adapter without --merged, a llama.cpp LoRA GGUF. Written atomically.",
     )
     ex.add_argument(
         "--adapter",
@@ -49,9 +54,41 @@ def add_subparser(sub: Any) -> None:
         choices=FORMATS,
         default=None,
         help="peft (default): the adapter; merged: base + adapter as a full HF checkpoint; fp8: the merged "
-        "checkpoint (or --base alone) with its linear weights in block-wise FP8 E4M3, 128x128 blocks (docs/export.md)",
+        "checkpoint (or --base alone) with its linear weights in block-wise FP8 E4M3, 128x128 blocks; gguf: "
+        "llama.cpp files (docs/export.md)",
     )
-    ex.add_argument("--merged", action="store_true", help="the same as --format merged")
+    ex.add_argument(
+        "--merged",
+        action="store_true",
+        help="the same as --format merged; with --format gguf: merge, then GGUF",
+    )
+    g = ex.add_argument_group("GGUF (--format gguf; llama.cpp from `jaxpi gguf setup`)")
+    g.add_argument(
+        "--quant",
+        default="Q8_0,Q4_K_M",
+        help="comma-separated llama-quantize types, or 'all' (the 17 from Q8_0 to IQ2_XXS); BF16 keeps the "
+        "base file (default: Q8_0,Q4_K_M)",
+    )
+    g.add_argument(
+        "--imatrix", default=None, help="an importance matrix (GGUF, from `jaxpi imatrix` or llama-imatrix)"
+    )
+    g.add_argument(
+        "--sessions",
+        default=None,
+        help="Pi sessions (directory or .jsonl): without --imatrix, the importance matrix is computed from them; "
+        "with --report, a task-disjoint share is held out and scored",
+    )
+    g.add_argument(
+        "--heldout", type=float, default=0.2, help="share of tasks held out with --report (default 0.2)"
+    )
+    g.add_argument(
+        "--ctx", type=int, default=512, help="tokens per calibration / scoring window (default 512)"
+    )
+    g.add_argument(
+        "--report",
+        action="store_true",
+        help="perplexity of every file on the held-out sessions, in llama.cpp",
+    )
     ex.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -74,8 +111,10 @@ def add_subparser(sub: Any) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or ("merged" if args.merged else "peft")
-    if args.merged and fmt != "merged":
+    if args.merged and fmt not in ("merged", "gguf"):
         raise ValueError(f"--merged and --format {fmt} disagree: give one of them")
+    if fmt == "gguf":
+        return _gguf(args)
     if args.size_of is not None:
         if fmt != "fp8":
             raise ValueError("--size-of reports the fp8 export's size: give --format fp8")
@@ -112,6 +151,59 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"wrote {what} {summary['output']} ({summary['modules']} adapted modules, r={summary['rank']}, "
             f"from {summary['source']} {summary['adapter']})"
         )
+    return 0
+
+
+_GGUF_DTYPES = {None: "BF16", "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _gguf(args: argparse.Namespace) -> int:
+    if args.out is None:
+        raise ValueError("--out is required (the output directory)")
+    gguf_only = [
+        f
+        for f, v in (("--imatrix", args.imatrix), ("--sessions", args.sessions), ("--report", args.report))
+        if v
+    ]
+    options: dict[str, Any] = {}
+    if args.adapter is None or args.merged:
+        options = {
+            "quants": args.quant, "dtype": _GGUF_DTYPES[args.dtype], "imatrix": args.imatrix,
+            "sessions": args.sessions, "heldout": args.heldout, "ctx": args.ctx, "report": args.report,
+        }  # fmt: skip
+    elif gguf_only:
+        raise ValueError(
+            f"{', '.join(gguf_only)}: for the model's GGUF files; add --merged (the adapter GGUF is its LoRA factors)"
+        )
+    summary = export(
+        args.adapter, args.out, base=args.base, fmt="gguf", merged=args.merged, overwrite=args.overwrite,
+        progress=not args.json, gguf=options,
+    )  # fmt: skip
+    for w in summary["base"].get("warnings", []) if isinstance(summary.get("base"), dict) else []:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    if summary["format"] == "gguf-lora":
+        print(
+            f"wrote llama.cpp LoRA {Path(summary['output']) / summary['file']} ({summary['modules']} modules, "
+            f"r={summary['rank']}, alpha={summary['alpha']}; apply with --lora on a GGUF of the base)"
+        )
+        return 0
+    print(f"wrote GGUF files to {summary['output']}:")
+    if summary["base"]["kept"]:
+        print(f"  {summary['base']['file']:<32}{_gb(summary['base']['bytes']):>12}")
+    for f in summary["variants"].values():
+        if f["file"] == summary["base"]["file"]:
+            continue
+        note = (
+            f"  ({f['fallback_tensors']} tensors in a fallback type: rows not a multiple of 256)"
+            if f.get("fallback_tensors")
+            else ""
+        )
+        print(f"  {f['file']:<32}{_gb(f['bytes']):>12}{'  imatrix' if f['imatrix'] else ''}{note}")
+    if "report" in summary:
+        print((Path(summary["output"]) / "gguf_report.md").read_text(), end="")
     return 0
 
 

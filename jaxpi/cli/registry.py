@@ -43,7 +43,7 @@ COMMANDS: tuple[Command, ...] = (
         "demo",
         "jaxpi.cli.demo",
         "what `make demo` runs: parity table, LoRA SFT on the demo Pi sessions, export, peft reload, "
-        "effort-ordered vs binary GRPO",
+        "FP8 and GGUF reloaded by transformers and llama.cpp, effort-ordered vs binary GRPO",
         compile_cache=True,
     ),
     Command(
@@ -61,7 +61,17 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "export",
         "jaxpi.cli.export",
-        "write a trained LoRA adapter as a peft adapter (or merged into a HF checkpoint)",
+        "write a trained LoRA adapter as a peft adapter, merged into a HF checkpoint, FP8 or GGUF files",
+    ),
+    Command(
+        "gguf",
+        "jaxpi.cli.gguf",
+        "llama.cpp for GGUF files: build it once into the cache (setup), perplexity of GGUF files on sessions (ppl)",
+    ),
+    Command(
+        "imatrix",
+        "jaxpi.cli.gguf",
+        "the importance matrix for GGUF quantization from Pi sessions, computed by jaxpi's model",
     ),
     Command(
         "report",

@@ -7,8 +7,10 @@ transposed and reshaped by `jaxpi.convert`, never here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,6 +36,22 @@ GDN_V_AXES = ("batch", "seq", "gdn_v_heads", "head_dim")
 
 Cache = dict[str, jax.Array]
 
+# While `tap_projections()` is open: (HF module name, input) of every projection, in call order
+# (the importance-matrix statistics of `jaxpi.convert.imatrix` are computed from these inputs).
+_TAPS: list[tuple[str, jax.Array]] | None = None
+
+
+@contextlib.contextmanager
+def tap_projections() -> Iterator[list[tuple[str, jax.Array]]]:
+    """Record each projection's input while the block is open (trace-time: use it inside the
+    traced function, unscanned and without remat, so the inputs are the function's own values)."""
+    global _TAPS
+    previous, _TAPS = _TAPS, []
+    try:
+        yield _TAPS
+    finally:
+        _TAPS = previous
+
 
 def project(
     mod: nnx.Module,
@@ -55,6 +73,8 @@ def project(
     """
     y = jnp.einsum(eq, x, getattr(mod, proj)[...])
     name = hf or proj
+    if _TAPS is not None:
+        _TAPS.append((name, x))
     adapter = adapter_for(mod, proj, name)
     if adapter is not None and not adapter.merged:
         # Adapter math in float32 whatever the base dtype: A and B are float32 master weights.

@@ -298,3 +298,45 @@ def frontier_figure(runs: Sequence[tuple[Summary, Summary]]) -> Any:
 def plot_frontier(runs: Sequence[tuple[Summary, Summary]], path: str | os.PathLike) -> Path:
     """Write `frontier_figure(runs)` as a PNG at `path`."""
     return save_png(frontier_figure(runs), path)
+
+
+def fidelity_figure(table: dict[str, Any]) -> Any:
+    """Perplexity increase over the reference (%) against file size, one point per GGUF variant:
+    filled with an importance matrix, hollow without; a line joins the two of each format."""
+    fig = new_figure((7.0, 4.2))
+    ax = fig.add_subplot()
+    rows = [r for r in table["rows"] if r["format"] != table["reference"]]
+    by_format: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_format.setdefault(r["format"], []).append(r)
+    blue, grey = colours(2)
+    for rs in by_format.values():
+        if len(rs) == 2:
+            xs, ys = [r["bytes"] / 1e6 for r in rs], [r["delta_pct"] for r in rs]
+            ax.plot(xs, ys, color="0.75", lw=1, zorder=1)
+    labels = []
+    for imatrix, face, name in ((True, blue, "with importance matrix"), (False, "white", "without")):
+        sel = [r for r in rows if bool(r["imatrix"]) is imatrix]
+        if sel:
+            ax.scatter(
+                [r["bytes"] / 1e6 for r in sel], [r["delta_pct"] for r in sel], s=36, zorder=2,
+                facecolors=face, edgecolors=blue, label=name,
+            )  # fmt: skip
+    for fmt, rs in by_format.items():
+        r = max(rs, key=lambda r: bool(r["imatrix"]))
+        labels.append((r["bytes"] / 1e6, r["delta_pct"], fmt, {"fontsize": 8}))
+    ax.axhline(0.0, color=grey, lw=0.8, ls="--")
+    ax.set_xlabel("file size (MB)")
+    ax.set_ylabel(f"perplexity vs {table['reference']} (%)")
+    ax.set_title(
+        f"GGUF fidelity: teacher-forced perplexity on {table['heldout_windows']} held-out windows",
+        fontsize=10,
+    )
+    if rows:
+        ax.legend(loc="upper right", fontsize=8)
+    place_labels(fig, ax, labels)
+    return fig
+
+
+def plot_fidelity(table: dict[str, Any], path: str | os.PathLike) -> Path:
+    return save_png(fidelity_figure(table), path)

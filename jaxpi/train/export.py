@@ -16,16 +16,18 @@ from typing import Any
 
 from flax import nnx
 
-from jaxpi.atomic import refuse_existing, scratch_dir
+from jaxpi.atomic import atomic_dir, refuse_existing, scratch_dir
 from jaxpi.config import QwenConfig
 from jaxpi.convert.fp8 import export_fp8
-from jaxpi.convert.hf import load_hf
+from jaxpi.convert.gguf import write_adapter_gguf
+from jaxpi.convert.gguf_export import export_gguf
+from jaxpi.convert.hf import load_hf, read_config
 from jaxpi.convert.safetensors_io import read_index
 from jaxpi.lora import add_lora, select_modules
 from jaxpi.lora.peft import CONFIG_NAME, abstract_lora_model, load_peft, save_merged, save_peft
 
 DTYPES = ["float32", "bfloat16", "float16"]
-FORMATS = ["peft", "merged", "fp8"]
+FORMATS = ["peft", "merged", "fp8", "gguf"]
 _CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -40,11 +42,25 @@ def export(
     base_name: str | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    gguf: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read the adapter, write the export, return a summary (what `jaxpi export` prints).
 
-    `fmt` is "peft" (the default), "merged" (also `merged=True`) or "fp8": the merged checkpoint
-    in block-wise FP8, or with `adapter=None` the base checkpoint itself in FP8."""
+    `fmt` is "peft" (the default), "merged" (also `merged=True`), "fp8": the merged checkpoint
+    in block-wise FP8, or with `adapter=None` the base checkpoint itself in FP8; or "gguf": with
+    an adapter, the adapter as a llama.cpp LoRA GGUF (with `merged=True` the merged model's
+    GGUF files instead), without one the base's GGUF files; `gguf` holds `export_gguf`'s options
+    (quants, imatrix, sessions, heldout, ctx, report)."""
+    if fmt == "gguf":
+        return _export_gguf(
+            adapter,
+            Path(out),
+            base=base,
+            merged=merged,
+            options=gguf or {},
+            overwrite=overwrite,
+            progress=progress,
+        )
     fmt = fmt or ("merged" if merged else "peft")
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
@@ -127,6 +143,51 @@ def _export_fp8(
         merged = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
         summary = export_fp8(scratch / "merged", out, dtype=code, overwrite=overwrite, progress=progress)
     return {**summary, "source": merged["source"], "adapter": merged["adapter"], "base": merged["base"]}
+
+
+def _export_gguf(
+    adapter: str | Path | None,
+    out: Path,
+    *,
+    base: str | Path | None,
+    merged: bool,
+    options: dict[str, Any],
+    overwrite: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """GGUF files of `base` (no adapter); of base + adapter merged in a scratch directory first
+    (`merged`); or the adapter alone as a llama.cpp LoRA GGUF (written from its peft export)."""
+    if adapter is None:
+        if merged:
+            raise ValueError("--merged needs --adapter (the run to merge into --base)")
+        if base is None:
+            raise ValueError("the gguf export needs --base (a HF checkpoint) or --adapter (a run)")
+        return {**export_gguf(base, out, overwrite=overwrite, progress=progress, **options), "adapter": None}
+    refuse_existing(out, overwrite=overwrite)
+    if merged:
+        with scratch_dir(out) as scratch:
+            m = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
+            summary = export_gguf(
+                scratch / "merged", out, overwrite=overwrite, progress=progress,
+                name=options.pop("name", None) or Path(m["base"]).name + "-merged", **options,
+            )  # fmt: skip
+        return {**summary, "source": m["source"], "adapter": m["adapter"], "base": m["base"]}
+    if set(options) - {"name"}:
+        raise ValueError(
+            f"{', '.join(sorted(set(options) - {'name'}))}: options of the model's GGUF files; the adapter GGUF "
+            "is float32 LoRA factors (give --merged to export base + adapter as quantized GGUF files)"
+        )
+    with scratch_dir(out) as scratch:
+        p = export(adapter, scratch / "peft", base=base, fmt="peft", progress=progress)
+        cfg = read_config(p["base"])
+        name = options.get("name") or f"{Path(p['adapter']).name}-lora"
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            info = write_adapter_gguf(scratch / "peft", cfg, tmp / f"{name}-F32.gguf", name=name)
+    return {
+        "source": p["source"], "adapter": p["adapter"], "base": p["base"], "format": "gguf-lora",
+        "output": str(out), "file": Path(info["file"]).name, "rank": info["rank"], "alpha": info["alpha"],
+        "modules": info["modules"], "bytes": info["bytes"],
+    }  # fmt: skip
 
 
 def _load_trainer_checkpoint(path: Path) -> tuple[nnx.State, Any, dict[str, Any]]:
