@@ -102,6 +102,9 @@ def test_demo_end_to_end(tmp_path, capsys):
     losses = result["sft"]["losses"]
     assert len(losses) == result["sft"]["steps"] and losses[-1] < losses[0] - 0.5
     assert result["reload"]["rel_err_vs_peft"] <= 1e-4 < result["reload"]["adapter_effect"]
+    deploy = result["deploy"]
+    assert deploy["passed"] and deploy["gguf_bf16_vs_jaxpi_ppl"] < 0.01
+    assert set(deploy["gguf"]) == {"BF16", "Q8_0", "Q4_K_M"} and deploy["fp8"]["quantized_tensors"] > 0
 
 
 def test_the_command_table_is_what_the_parsers_register():

@@ -8,12 +8,15 @@ from typing import Any
 from jaxpi.cli.registry import help_for
 
 DESCRIPTION = """\
-What `make demo` runs, on the tiny Qwen3.5 with JAX on the CPU, in five stages:
+What `make demo` runs, on the tiny Qwen3.5 with JAX on the CPU, in six stages:
   1. parity  a tiny random transformers checkpoint in jaxpi: logits and every gradient compared
   2. sft     configs/sft/tiny.yaml: LoRA SFT on the bundled demo Pi sessions (loss per step)
   3. export  the last checkpoint as a peft adapter directory
   4. reload  the adapter in peft on the transformers base: its logits against jaxpi's
-  5. grpo    the toy effort-ordering result: an SFT that breaks the cost ordering of effort
+  5. deploy  the SFT model merged and exported as FP8 (reloaded by transformers) and as GGUF
+             BF16, Q8_0 and Q4_K_M with an importance matrix from the demo sessions (reloaded
+             by llama.cpp), their held-out perplexity in llama.cpp
+  6. grpo    the toy effort-ordering result: an SFT that breaks the cost ordering of effort
              levels, then effort-ordered and binary GRPO from it, their table and pictures
              (short: the toy-random base, two updates each; --full: the whole comparison on
              the toy-copy base, configs/sft/toy.yaml and configs/grpo/toy.yaml)
