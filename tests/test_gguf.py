@@ -424,6 +424,22 @@ def test_an_interrupted_export_leaves_nothing(tiny, tmp_path, lc, monkeypatch):
     assert calls == ["Q8_0"] and list(tmp_path.iterdir()) == []
 
 
+def test_a_truncated_gguf_is_named_by_the_scorer(tiny, tmp_path, lc, capsys):
+    write_base_gguf(tiny, tmp_path / "m.gguf", dtype="F32")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    sessions = tmp_path / "s"
+    sessions.mkdir()
+    shutil.copy(sorted(DEMO_SESSIONS.iterdir())[0], sessions)
+    code = cli_main(["gguf", "ppl", "--gguf", str(tmp_path / "cut.gguf"), "--sessions", str(sessions),
+                     "--tokenizer", str(tiny), "--ctx", "64"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot load" in err and "cut.gguf" in err, err
+    code = cli_main(["gguf", "ppl", "--gguf", str(tmp_path / "m.gguf"), "--sessions", str(sessions),
+                     "--tokenizer", str(tiny), "--ctx", "64", "--json"])  # fmt: skip
+    assert code == 0 and json.loads(capsys.readouterr().out)["rows"][0]["ppl"] > 1
+
+
 def test_iq2_without_an_importance_matrix_is_refused(tiny, tmp_path, lc):
     with pytest.raises(ValueError, match="IQ2_XXS needs an importance matrix"):
         export_gguf(tiny, tmp_path / "out", quants="IQ2_XXS", llamacpp=lc)

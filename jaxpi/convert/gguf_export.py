@@ -33,8 +33,8 @@ from flax import nnx
 from jaxpi.atomic import atomic_dir
 from jaxpi.convert.gguf import FILE_TYPES, gguf_package, write_base_gguf
 from jaxpi.convert.hf import load_hf
-from jaxpi.convert.imatrix import Sequence_, collect, load_calibration, write_imatrix
-from jaxpi.llamacpp.runtime import GGUFModel, LlamaCpp, find, nll_per_token, parse_quants
+from jaxpi.convert.imatrix import MIN_TOKENS, Sequence_, collect, load_calibration, write_imatrix
+from jaxpi.llamacpp.runtime import NEEDS_IMATRIX, GGUFModel, LlamaCpp, find, nll_per_token, parse_quants
 from jaxpi.stats.plots import plot_fidelity
 
 _FALLBACK = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization")
@@ -99,6 +99,10 @@ def export_gguf(
     variants = parse_quants(quants)
     if dtype not in FILE_TYPES:
         raise ValueError(f"the base GGUF's dtype must be one of {list(FILE_TYPES)}, not {dtype!r}")
+    if ctx < MIN_TOKENS:
+        raise ValueError(
+            f"--ctx must be at least {MIN_TOKENS} tokens (llama.cpp skips shorter batches), got {ctx}"
+        )
     if report and sessions is None:
         raise ValueError("--report needs --sessions (the held-out sessions are scored)")
     if imatrix is not None and not Path(imatrix).is_file():
@@ -196,15 +200,13 @@ def _fidelity(
         r = perplexity(lc, tmp / files[q]["file"], seqs)
         rows.append({"format": q, "imatrix": files[q]["imatrix"], "bytes": files[q]["bytes"], **r,
                      "delta_pct": 100.0 * (r["ppl"] / ref["ppl"] - 1.0)})  # fmt: skip
-        if imx is not None and compare_imatrix:
+        if imx is not None and compare_imatrix and q not in NEEDS_IMATRIX:
             plain = tmp / f".{q}-no-imatrix.gguf"
             try:
                 lc.quantize(base, plain, q)
                 r = perplexity(lc, plain, seqs)
                 rows.append({"format": q, "imatrix": False, "bytes": plain.stat().st_size, **r,
                              "delta_pct": 100.0 * (r["ppl"] / ref["ppl"] - 1.0), "kept": False})  # fmt: skip
-            except ValueError:  # a type llama.cpp refuses without an imatrix: no comparison row
-                pass
             finally:
                 plain.unlink(missing_ok=True)
     ours = _jaxpi_perplexity(src, seqs)

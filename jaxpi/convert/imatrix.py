@@ -181,6 +181,10 @@ def collect(
     progress: Callable[[str], None] | None = None,
 ) -> Collector:
     """The statistics of every window of every sequence."""
+    if ctx < MIN_TOKENS:
+        raise ValueError(
+            f"ctx must be at least {MIN_TOKENS} tokens (llama.cpp skips shorter batches), got {ctx}"
+        )
     c = Collector(model_dir)
     items = [s.ids if isinstance(s, Sequence_) else np.asarray(s, np.int32) for s in seqs]
     wins = [w for ids in items for w in windows(ids, ctx)]

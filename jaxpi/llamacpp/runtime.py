@@ -39,8 +39,9 @@ class LlamaCppMissingError(FileNotFoundError):
     """No finished llama.cpp build where one was looked for."""
 
 
-class LlamaCppError(RuntimeError):
-    """A llama.cpp tool failed; the message carries the end of its output."""
+class LlamaCppError(ValueError):
+    """llama.cpp refused its input (a tool exited non-zero, a file did not load); the message
+    carries the end of its output. A ValueError, so `jaxpi` reports it as bad input (exit 2)."""
 
 
 def parse_quants(spec: str | Sequence[str]) -> list[str]:
