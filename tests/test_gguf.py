@@ -440,6 +440,20 @@ def test_a_truncated_gguf_is_named_by_the_scorer(tiny, tmp_path, lc, capsys):
     assert code == 0 and json.loads(capsys.readouterr().out)["rows"][0]["ppl"] > 1
 
 
+def test_an_abort_inside_llama_cpp_is_an_error_not_our_death(tmp_path, lc, monkeypatch):
+    """llama.cpp 0.3.36 aborts (GGML_ASSERT) on a stack without attention layers; evaluated in a
+    child process, that is a LlamaCppError naming the file, and this process goes on."""
+    from jaxpi.llamacpp.runtime import LlamaCppError
+
+    ckpt = make_checkpoint(
+        tmp_path / "ckpt", TINY.replace(layer_types=("linear_attention",) * 4), tokenizer=True
+    )
+    monkeypatch.setattr(gguf_mod, "check_supported", lambda cfg, where: None)
+    write_base_gguf(ckpt, tmp_path / "m.gguf", dtype="F32")
+    with pytest.raises(LlamaCppError, match=r"aborted \(SIGABRT\) evaluating .*m\.gguf.*GGML_ASSERT"):
+        gguf_logits(lc, tmp_path / "m.gguf", list(range(8)))
+
+
 def test_iq2_without_an_importance_matrix_is_refused(tiny, tmp_path, lc):
     with pytest.raises(ValueError, match="IQ2_XXS needs an importance matrix"):
         export_gguf(tiny, tmp_path / "out", quants="IQ2_XXS", llamacpp=lc)

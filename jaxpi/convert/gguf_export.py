@@ -34,7 +34,7 @@ from jaxpi.atomic import atomic_dir
 from jaxpi.convert.gguf import FILE_TYPES, gguf_package, write_base_gguf
 from jaxpi.convert.hf import load_hf
 from jaxpi.convert.imatrix import MIN_TOKENS, Sequence_, collect, load_calibration, write_imatrix
-from jaxpi.llamacpp.runtime import NEEDS_IMATRIX, GGUFModel, LlamaCpp, find, nll_per_token, parse_quants
+from jaxpi.llamacpp.runtime import NEEDS_IMATRIX, LlamaCpp, find, gguf_nll, nll_per_token, parse_quants
 from jaxpi.stats.plots import plot_fidelity
 
 _FALLBACK = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization")
@@ -61,12 +61,7 @@ def perplexity(
     seqs = [s for s in seqs if len(s) >= 2]
     if not seqs:
         raise ValueError("no held-out sequence of two or more tokens to score")
-    total, n = 0.0, 0
-    with GGUFModel(lc, model, n_ctx=max(len(s) for s in seqs), lora=lora) as m:
-        for ids in seqs:
-            nll = nll_per_token(m.logits(ids.tolist()), ids.tolist())
-            total += float(nll.sum())
-            n += len(nll)
+    total, n = gguf_nll(lc, model, [s.tolist() for s in seqs], lora=lora)
     return {"ppl": float(np.exp(total / n)), "nll": total / n, "tokens": n}
 
 

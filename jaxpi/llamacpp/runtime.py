@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,47 @@ class GGUFModel:
         self.close()
 
 
+def _in_worker(
+    lc: LlamaCpp,
+    model: str | os.PathLike,
+    seqs: Sequence[Sequence[int]],
+    mode: str,
+    *,
+    lora: str | os.PathLike | None,
+    lora_scale: float,
+    kv_f32: bool,
+) -> dict[str, np.ndarray]:
+    """Run `jaxpi.llamacpp.worker` on `seqs`: llama.cpp in a child process, whose abort is an error here."""
+    seqs = [np.asarray(s, np.int32) for s in seqs]
+    if not seqs or min(len(s) for s in seqs) == 0:
+        raise ValueError("no tokens to evaluate")
+    with tempfile.TemporaryDirectory(prefix="jaxpi-llamacpp-") as tmp:
+        req, res = Path(tmp) / "request.npz", Path(tmp) / "result.npz"
+        np.savez(
+            req, model=str(model), lora="" if lora is None else str(lora), lora_scale=lora_scale, kv_f32=kv_f32,
+            mode=mode, tokens=np.concatenate(seqs), lengths=np.asarray([len(s) for s in seqs], np.int64),
+        )  # fmt: skip
+        env = {**os.environ, "JAXPI_LLAMACPP_DIR": str(lc.root)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxpi.llamacpp.worker", str(req), str(res)],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            if proc.returncode < 0:
+                name = signal.Signals(-proc.returncode).name
+                asserts = [ln for ln in lines if "GGML_ASSERT" in ln or "error" in ln.lower()][:3]
+                raise LlamaCppError(
+                    f"llama.cpp aborted ({name}) evaluating {model}" + ("" if lora is None else f" with {lora}")
+                    + (": " + " | ".join(asserts) if asserts else "")
+                )  # fmt: skip
+            raise LlamaCppError(
+                lines[-1] if lines else f"the llama.cpp worker exited {proc.returncode} on {model}"
+            )
+        with np.load(res, allow_pickle=False) as out:
+            return {k: out[k] for k in out.files}
+
+
 def gguf_logits(
     lc: LlamaCpp,
     model: str | os.PathLike,
@@ -200,14 +243,26 @@ def gguf_logits(
     *,
     lora: str | os.PathLike | None = None,
     lora_scale: float = 1.0,
-    threads: int = 0,
     kv_f32: bool = True,
 ) -> np.ndarray:
-    """llama.cpp's logits `[T, vocab]` (float32) of one sequence, from a fresh context."""
-    with GGUFModel(
-        lc, model, n_ctx=len(tokens), lora=lora, lora_scale=lora_scale, threads=threads, kv_f32=kv_f32
-    ) as m:
-        return m.logits(tokens)
+    """llama.cpp's logits `[T, vocab]` (float32) of one sequence, from a fresh state, computed in a
+    child process (see `jaxpi.llamacpp.worker`)."""
+    out = _in_worker(lc, model, [tokens], "logits", lora=lora, lora_scale=lora_scale, kv_f32=kv_f32)
+    return out["logits_0"]
+
+
+def gguf_nll(
+    lc: LlamaCpp,
+    model: str | os.PathLike,
+    seqs: Sequence[Sequence[int]],
+    *,
+    lora: str | os.PathLike | None = None,
+    lora_scale: float = 1.0,
+) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens) of every sequence's tokens after its first, each
+    from a fresh state, in llama.cpp (a child process; only the sums come back, not the logits)."""
+    out = _in_worker(lc, model, seqs, "nll", lora=lora, lora_scale=lora_scale, kv_f32=True)
+    return float(out["nll"].sum()), int(out["count"].sum())
 
 
 def nll_per_token(logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
