@@ -43,7 +43,7 @@ from jaxpi.convert.imatrix import collect, read_imatrix, split_by_task, write_im
 from jaxpi.data.sessions import Session, SessionMeta
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.llamacpp import setup as lsetup
-from jaxpi.llamacpp.runtime import LlamaCppMissingError, find, gguf_logits, parse_quants
+from jaxpi.llamacpp.runtime import QUANT_TYPES, LlamaCppMissingError, find, gguf_logits, parse_quants
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.lora.peft import save_peft
 from jaxpi.testing.parity_configs import text_configs
@@ -167,7 +167,8 @@ def test_metadata_and_tokenizer_are_llama_cpps(tiny, tmp_path, lc):
     assert field("general.architecture") == "qwen35"
     assert field("qwen35.attention.recurrent_layers") == [t == "linear_attention" for t in TINY.layer_types]
     assert field("tokenizer.ggml.pre") == "gpt-2"  # the tiny tokenizer is GPT-2's byte-level BPE
-    assert "chat_template" in r.fields["tokenizer.chat_template"].name
+    template = json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"]
+    assert field("tokenizer.chat_template") == template
     kinds = {t.name: t.tensor_type.name for t in r.tensors}
     assert kinds["blk.0.attn_qkv.weight"] == "BF16" and kinds["blk.0.ssm_a"] == "F32"
     # llama.cpp's own tokenizer, from the embedded vocabulary, agrees with transformers'
@@ -180,6 +181,40 @@ def test_metadata_and_tokenizer_are_llama_cpps(tiny, tmp_path, lc):
     finally:
         llm.close()
     assert ours == AutoTokenizer.from_pretrained(tiny)(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_qwen35_pre_tokenizer_is_named_and_tokenizes_as_transformers(tiny, tmp_path, lc):
+    """The tiny tokenizer with Qwen3.5's split regex (as Qwen's tokenizer.json spells it) in front of
+    a byte-level step without its own regex: the GGUF says "qwen35" and llama.cpp cuts digits,
+    marks, contractions and newlines as transformers does."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {
+                "type": "Split",
+                "pattern": {"Regex": gguf_mod._QWEN35_REGEX},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        ],
+    }
+    (ckpt / "tokenizer.json").write_text(json.dumps(tok))
+    write_base_gguf(ckpt, tmp_path / "m.gguf", dtype="F32")
+    assert gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.pre"].contents() == "qwen35"
+    text = "It's 2026: naïve café\n\n  x = f(12345)  # don't\r\n\tdone<|im_end|>"
+    llm = lc.bindings().Llama(model_path=str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)
+    try:
+        ours = llm.tokenize(text.encode(), add_bos=False, special=True)
+    finally:
+        llm.close()
+    assert ours == AutoTokenizer.from_pretrained(ckpt)(text, add_special_tokens=False)["input_ids"]
 
 
 def test_our_imatrix_is_llama_imatrixs_own(tiny, tmp_path, lc):
@@ -292,6 +327,27 @@ def test_adapter_gguf_applied_by_llama_cpp_gives_jaxpi_adapted_logits(tiny, tmp_
     assert rel_max(plain, ref) > 0.05  # the adapter moves the logits: the comparison can fail
 
 
+def test_adapter_gguf_refuses_what_llama_cpp_cannot_apply(tiny, tmp_path, capsys):
+    _, model = load_hf(tiny, "float32")
+    lcfg = LoraConfig(rank=2, alpha=4.0)
+    add_lora(model, lcfg)
+    save_peft(model, lcfg, tmp_path / "peft", base_dir=tiny)
+    conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "peft" / "adapter_config.json").write_text(
+        json.dumps({**conf, "alpha_pattern": {"q_proj": 16}})
+    )
+    args = ["export", "--format", "gguf", "--adapter", str(tmp_path / "peft"), "--base", str(tiny)]
+    assert cli_main([*args, "--out", str(tmp_path / "a")]) == 2
+    assert "alpha_pattern" in capsys.readouterr().err
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(conf))
+    assert (
+        cli_main([*args, "--out", str(tmp_path / "b"), "--quant", "Q4_K_M"]) == 2
+    )  # quant: a model's option
+    err = capsys.readouterr().err
+    assert "--quant" in err and "add --merged" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peft"]
+
+
 def test_export_cli_with_report(tiny, tmp_path, lc, capsys):
     sessions = tmp_path / "sessions"
     sessions.mkdir()
@@ -334,7 +390,15 @@ def test_unknown_quant_types_are_refused_before_any_work(tiny, tmp_path, capsys,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_parse_quants_expands_all_to_the_seeds_seventeen():
+def test_every_quant_type_we_accept_is_one_llama_quantize_lists(lc):
+    """`all` is the seed's 17 variants, and each accepted name is in `llama-quantize --help`."""
+    import re
+    import subprocess
+
+    text = subprocess.run([str(lc.tool("llama-quantize")), "--help"], capture_output=True, text=True)
+    listed = set(re.findall(r"^\s+\d+\s+or\s+(\w+)\s*:", text.stdout + text.stderr, re.MULTILINE))
+    assert {"Q8_0", "Q4_K_M", "IQ2_M"} <= listed
+    assert set(parse_quants(",".join(QUANT_TYPES))) <= listed, set(QUANT_TYPES) - listed
     assert len(parse_quants("all")) == 17 and parse_quants("q8_0, all")[0] == "Q8_0"
 
 
@@ -379,6 +443,10 @@ def _broken(tmp_path: Path, tiny: Path, what: str) -> Path:
         tok = json.loads((bad / "tokenizer.json").read_text())
         tok["model"]["vocab"]["zz"] = 4096
         (bad / "tokenizer.json").write_text(json.dumps(tok))
+    elif what == "pre-tokenizer":
+        tok = json.loads((bad / "tokenizer.json").read_text())
+        tok["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "\\w+"}, "behavior": "Isolated"}
+        (bad / "tokenizer.json").write_text(json.dumps(tok))
     elif what == "only-linear":
         cfg = json.loads((bad / "config.json").read_text())
         cfg["layer_types"] = ["linear_attention"] * cfg["num_hidden_layers"]
@@ -399,6 +467,7 @@ def _broken(tmp_path: Path, tiny: Path, what: str) -> Path:
         ("token-id", "'zz' has id 4096"),
         ("head-dims", "linear_key_head_dim == linear_value_head_dim"),
         ("only-linear", "hybrid stacks only"),
+        ("pre-tokenizer", "a pre-tokenizer llama.cpp's qwen35 model does not know"),
     ],
 )
 def test_bad_checkpoints_are_named_and_nothing_is_written(tiny, tmp_path, capsys, lc, what, says):

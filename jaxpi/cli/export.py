@@ -65,7 +65,7 @@ def add_subparser(sub: Any) -> None:
     g = ex.add_argument_group("GGUF (--format gguf; llama.cpp from `jaxpi gguf setup`)")
     g.add_argument(
         "--quant",
-        default="Q8_0,Q4_K_M",
+        default=None,
         help="comma-separated llama-quantize types, or 'all' (the 17 from Q8_0 to IQ2_XXS); BF16 keeps the "
         "base file (default: Q8_0,Q4_K_M)",
     )
@@ -160,15 +160,17 @@ _GGUF_DTYPES = {None: "BF16", "bfloat16": "BF16", "float16": "F16", "float32": "
 def _gguf(args: argparse.Namespace) -> int:
     if args.out is None:
         raise ValueError("--out is required (the output directory)")
-    gguf_only = [
-        f
-        for f, v in (("--imatrix", args.imatrix), ("--sessions", args.sessions), ("--report", args.report))
-        if v
-    ]
+    given = (
+        ("--quant", args.quant is not None),
+        ("--imatrix", args.imatrix is not None),
+        ("--sessions", args.sessions is not None),
+        ("--report", args.report),
+    )
+    gguf_only = [flag for flag, set_ in given if set_]
     options: dict[str, Any] = {}
     if args.adapter is None or args.merged:
         options = {
-            "quants": args.quant, "dtype": _GGUF_DTYPES[args.dtype], "imatrix": args.imatrix,
+            "quants": "Q8_0,Q4_K_M" if args.quant is None else args.quant, "dtype": _GGUF_DTYPES[args.dtype], "imatrix": args.imatrix,
             "sessions": args.sessions, "heldout": args.heldout, "ctx": args.ctx, "report": args.report,
         }  # fmt: skip
     elif gguf_only:

@@ -497,6 +497,11 @@ def write_adapter_gguf(
         if set(ab) != {"A", "B"}:
             raise CheckpointError(f"{peft_dir}: layer {layer} {module} has lora_{''.join(ab)} only")
         a_info, b_info = ab["A"], ab["B"]
+        if len(a_info.shape) != 2 or len(b_info.shape) != 2 or a_info.shape[0] != b_info.shape[1]:
+            raise CheckpointError(
+                f"{a_info.file}: layer {layer} {module}: lora_A {list(a_info.shape)} and lora_B "
+                f"{list(b_info.shape)} are not [r, in] and [out, r]"
+            )
         base = gguf_name(_LINEAR_TENSORS[module], layer)
         weight = f"{module}.weight"
         perm_b, perm_a, offset = None, None, 0
