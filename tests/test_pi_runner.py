@@ -309,10 +309,9 @@ def test_untrained_attempt_records_pis_real_request(untrained):
     assert call["attempt"] == rec.attempt_id and call["reasoning_effort"] == LEVEL
     req = call["request"]
     assert [t["function"]["name"] for t in req["tools"]] == ["bash"]
-    assert (
-        req["messages"][0]["role"] == "system"
-        and "Current working directory: /workspace" in req["messages"][0]["content"]
-    )
+    # Pi's system prompt names the working directory (1.x in a <cwd> section of its own).
+    cwd = "<cwd>\n/workspace\n</cwd>" if find_pi().version.startswith("1.") else "Current working directory: /workspace"
+    assert req["messages"][0]["role"] == "system" and cwd in req["messages"][0]["content"]
     assert req["temperature"] == 0.0 and req["seed"] == 0  # set by the runner's Pi extension
     assert len(call["prompt_token_ids"]) > 1000  # Pi's system prompt and tool schema, rendered
     assert read_session_summary(Path(rec.session_path)).turns == 1

@@ -10,7 +10,7 @@ and inside the sandbox (`jaxpi.sandbox.run_sandboxed`):
 
     /workspace              the workspace, writable, Pi's working directory
     /pi                     the agent dir, writable (Pi writes its session file to /pi/sessions)
-    <prefix>                Pi's npm prefix, read-only at its host path (node itself is in /usr)
+    <prefix>                Pi's npm prefix with its own Node.js, read-only at its host path
     /opt/jaxpi/pi_extension.js   turn / token limits and sampling settings, read-only
     127.0.0.1:<port>        the gateway, the only network destination
 
@@ -137,6 +137,7 @@ def pi_argv(pi: PiInstall, task: Task, level: str, model_id: str, tools: Sequenc
         # No update check or telemetry at start-up: nothing but the gateway is reachable anyway,
         # and each failed lookup would cost the attempt seconds.
         "--offline",
+        *pi.release.extra_flags,
         *(["--tools", ",".join(tools)] if tools else []),
         text,
     ]
@@ -269,7 +270,7 @@ def _run(
         api_key=api_key,
         model_id=cfg.model_id,
         level=level,
-        context_window=cfg.context_window,
+        context_window=cfg.context_window + pi.release.context_margin,
         max_tokens=cfg.max_tokens_per_call,
     )
     env = {

@@ -12,9 +12,15 @@ openai-completions provider: `params.reasoning_effort = thinkingLevelMap[level] 
 `reasoning: true` models). Pi hides `xhigh` unless the model's map names it, so the map lists every
 level as itself; `off` sends no `reasoning_effort` at all.
 
-`compat` turns off what a plain OpenAI-compatible server does not speak: the `developer` role (the
-system prompt goes as `system`) and `store`. Compaction and Pi's own retries are off: a compaction
-summary or a retried call would be a model call that is not part of the attempt's behaviour.
+`compat` is spelled out in full because the releases guess differently for a host they do not know
+(0.73 sends the system prompt as `developer` and tools with `strict: false`; 1.x sends `system` and
+no `strict`): no `developer` role, no `store`, no `strict`, `reasoning_effort` in OpenAI's form.
+Both releases ignore keys they do not know, so one file serves both (docs/pi.md, "Pi 0.73 and
+1.x"). Compaction and Pi's own retries are off: a compaction summary or a retried call would be a
+model call that is not part of the attempt's behaviour. 0.73 also retried inside its HTTP client
+unless `retry.provider.maxRetries` is 0; 1.x gives up on a response silent for 300 s
+(`httpIdleTimeoutMs`), which a slow policy server must not hit: the sandbox's wall clock is the
+attempt's only time limit.
 """
 
 from __future__ import annotations
@@ -70,7 +76,9 @@ def models_json(
                 "compat": {
                     "supportsDeveloperRole": False,
                     "supportsStore": False,
+                    "supportsStrictMode": False,
                     "supportsReasoningEffort": True,
+                    "thinkingFormat": "openai",
                     # The gateway re-streams the usage chunk; Pi's per-turn token counts come from it.
                     "supportsUsageInStreaming": True,
                     # jaxpi serve and vLLM read both names; max_tokens is the one every server knows.
@@ -105,6 +113,9 @@ def settings_json(model_id: str, level: str) -> dict[str, Any]:
         "quietStartup": True,
         "compaction": {"enabled": False},
         "retry": {"enabled": False, "provider": {"maxRetries": 0}},
+        "httpIdleTimeoutMs": "disabled",
+        # 1.x: a `.pi/` directory in the workspace (settings, extensions) is never trusted.
+        "defaultProjectTrust": "never",
     }
 
 
