@@ -69,7 +69,7 @@ def cases(model_dir: Path) -> list[Case]:
         ),
         Case(("vllm", "setup"), vllm.SETUP),
         Case(("pi", "run"), pi.RUN, positionals=("T",), required={"endpoint": "http://127.0.0.1:1/v1"}),
-        Case(("pi", "setup"), pi.SETUP),
+        Case(("pi", "setup"), pi.SETUP, samples={"version": "0.73.1"}),
     ]
     assert {c.argv[0] for c in out} == {"serve", "gateway", "eval", "select", "plan", "bench", "vllm", "pi"}
     return out

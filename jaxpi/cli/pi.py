@@ -12,15 +12,20 @@ from typing import Any
 from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
 from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
+from jaxpi.runner.install import DEFAULT_VERSION, release
 from jaxpi.runner.pi_config import PiRunConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class SetupConfig:
-    """`jaxpi pi setup`: where Pi is installed."""
+    """`jaxpi pi setup`: which Pi release, and where it is installed."""
 
     prefix: str | None = None  # npm prefix; None: $JAXPI_PI_PREFIX, else .tools/pi in the checkout
+    version: str = DEFAULT_VERSION  # a release jaxpi has checked: 1.6.0 (@earendil-works) or 0.73.1 (@mariozechner)
     force: bool = False  # reinstall even if the stamp says it is there
+
+    def __post_init__(self) -> None:
+        release(self.version)  # ValueError naming the checked releases
 
 
 SETUP = ConfigSpec(
@@ -28,6 +33,7 @@ SETUP = ConfigSpec(
     "pi-setup",
     (
         Flag("--prefix", "prefix", "npm prefix (default: .tools/pi)"),
+        Flag("--version", "version", "the Pi release: 1.6.0 (default) or 0.73.1"),
         Flag("--force", "force", "reinstall even if the stamp says it is there"),
     ),
 )
@@ -59,9 +65,11 @@ def add_subparser(sub: Any) -> None:
     st = add_command_parser(
         psub,
         "setup",
-        help="install @mariozechner/pi-coding-agent (pinned) into .tools/pi (idempotent)",
-        description="npm install of the pinned Pi into the project-local prefix ($JAXPI_PI_PREFIX, "
-        "else .tools/pi in the checkout). A stamp file makes reruns a no-op; --force reinstalls.",
+        help="install Pi (@earendil-works/pi-coding-agent 1.6.0, or --version 0.73.1) and its Node.js into "
+        ".tools/pi (idempotent)",
+        description="npm install of a checked Pi release and npm's Node.js 24 binary into the project-local "
+        "prefix ($JAXPI_PI_PREFIX, else .tools/pi in the checkout), atomically: the prefix holds one release "
+        "at a time. A stamp file makes reruns a no-op; --force reinstalls.",
     )
     add_config_arguments(st, SETUP)
     st.add_argument("--json", action="store_true")
@@ -83,9 +91,11 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from jaxpi.runner.install import pi_setup
 
     cfg: SetupConfig = build_config(args)
-    info = pi_setup(cfg.prefix, force=cfg.force, say=lambda line: print(line, file=sys.stderr, flush=True))
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    info = pi_setup(cfg.prefix, version=cfg.version, force=cfg.force, say=say)
     state = "installed" if info["installed"] else "already installed"
-    emit(info, args.json, f"Pi {info['version']} {state} in {info['prefix']} (node {info['node']})")
+    text = f"{info['package']}@{info['version']} {state} in {info['prefix']} (node {info['node_version']})"
+    emit(info, args.json, text)
     return 0
 
 
