@@ -68,6 +68,7 @@ class PiThinkingLevel(PiEntry):
 class PiCompaction(PiEntry):
     summary: str
     firstKeptEntryId: str
+    systemMessage: dict[str, Any] | None = None  # 1.x: the prompt and tools at the compaction
 
 
 class PiBranchSummary(PiEntry):
@@ -75,6 +76,17 @@ class PiBranchSummary(PiEntry):
 
 
 class PiCustomMessage(PiEntry):
+    content: Content
+
+
+class PiContextEdit(PiEntry):
+    """1.x: replaces (or, with null, omits) one earlier entry's content in later model context."""
+
+    targetId: str
+    replacement: dict[str, Any] | None
+
+
+class PiReplacement(_Strict):
     content: Content
 
 
@@ -98,6 +110,26 @@ class PiUser(_Strict):
 class PiAssistant(_Strict):
     content: list[dict[str, Any]]
     stopReason: str | None = None
+    thinkingLevel: str | None = None  # 1.x: the Pi level requested for this response
+
+
+class PiSystem(_Strict):
+    """1.x: the prompt and tool loadout; later ones patch `sections` by name (None removes one)."""
+
+    content: Content = ""
+    sections: dict[str, str | None] | None = None
+    toolsAdded: list[dict[str, Any]] | None = None
+    toolsRemoved: list[dict[str, Any]] | None = None
+
+
+class PiToolDecl(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any]
+
+
+class PiToolName(_Strict):
+    name: str
 
 
 class PiToolResult(_Strict):

@@ -39,6 +39,7 @@ DTYPE_BITS |= {"C64": 64, "F64": 64, "I64": 64, "U64": 64}
 READ_REASONS = {"unreadable_file", "line_too_long", "session_too_large", "invalid_utf8", "invalid_json"}
 READ_REASONS |= {"missing_field", "bad_field", "bad_arguments", "unsupported_version", "empty_session"}
 READ_REASONS |= {"duplicate_id", "unknown_parent", "cycle", "image_content", "assistant_error", "bad_sidecar"}
+READ_REASONS |= {"unknown_entry", "unknown_target", "context_edit", "system_changed", "mixed_effort"}
 GATE_REASONS = {
     "unknown_tool",
     "bad_arguments",
