@@ -189,7 +189,8 @@ class ChatRequest:
 
 
 def _text(content: Any, where: str) -> str:
-    """Message content as text: a string, null, or a list of {"type": "text", "text": ...} parts."""
+    """Message content as text: a string, null, or a list of {"type": "text", "text": ...} parts,
+    joined by newlines (as vLLM joins them, and as the session reader joins Pi's text blocks)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -200,7 +201,7 @@ def _text(content: Any, where: str) -> str:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise bad(f"{where}.content[{j}]: only text parts are supported", "messages")
             parts.append(p["text"])
-        return "".join(parts)
+        return "\n".join(parts)
     raise bad(f"{where}.content must be a string or a list of text parts", "messages")
 
 
