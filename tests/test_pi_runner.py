@@ -163,6 +163,36 @@ def test_session_summary_reads_turns_and_names_bad_lines(tmp_path):
         AttemptRecord("a", "t", "low", False, True, "timeout", None, 0, 0, 0, 0.0)
 
 
+def test_session_summary_counts_tool_calls_by_tool(tmp_path):
+    def turn(i: int, *names: str) -> dict:
+        blocks = [
+            {"type": "toolCall", "id": f"c{i}{j}", "name": n, "arguments": {}} for j, n in enumerate(names)
+        ]
+        msg = {"role": "assistant", "content": blocks, "usage": {"output": 1}, "stopReason": "toolUse"}
+        return {"type": "message", "id": str(i), "parentId": None, "message": msg}
+
+    session = tmp_path / "s.jsonl"
+    entries = [
+        {"type": "session", "version": 3, "id": "x", "cwd": "/w"},
+        turn(1, "bash", "read"),
+        turn(2, "bash"),
+    ]
+    session.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
+    s = read_session_summary(session)
+    assert s.tool_calls_by_name == {"bash": 2, "read": 1} and s.tool_calls == 3 and s.turns == 2
+    # The record keeps them by tool, with the model calls; its JSON builds the record again.
+    rec = AttemptRecord(
+        "a", "t", "low", True, True, None, "answer", 2, 2, 0, 1.0,
+        tool_calls=s.tool_calls_by_name, model_calls=2,
+    )  # fmt: skip
+    d = json.loads(json.dumps(rec.to_json()))
+    assert (d["tool_calls"], d["model_calls"]) == ({"bash": 2, "read": 1}, 2)
+    assert AttemptRecord(**d) == rec
+    # A record written before the counts existed still loads: nothing counted, no model call known.
+    old = {k: v for k, v in d.items() if k not in ("tool_calls", "model_calls")}
+    assert (AttemptRecord(**old).tool_calls, AttemptRecord(**old).model_calls) == ({}, 0)
+
+
 def test_attempt_files_get_the_umasks_permissions(tmp_path, monkeypatch):
     """record.json is written with the mode `open(..., "w")` would give it (0o666 less the umask),
     not mkstemp's 0600, so another user (a trainer, a reviewer) can read the attempts."""
