@@ -484,6 +484,8 @@ def test_pi_solves_the_task_with_a_real_tool_call(collected):
     assert "exit 0" in (detail / "verifier.txt").read_text()
     # One token-exact sample: the second call's prompt extends the first call's prompt + completion.
     assert stats["samples"] == 1 and stats["splits"] == 0 and traj.admitted and traj.success
+    # The record counts what Pi ran by tool, and the gateway's two call records; GRPO carries the total.
+    assert rec.tool_calls == {"bash": 1} and rec.model_calls == 2 and traj.tool_calls == 1
 
 
 @needs_pi
