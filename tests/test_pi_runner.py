@@ -320,6 +320,7 @@ def test_jaxpi_eval_writes_the_table_json_png_and_comparison(evaluated):
     assert (low["attempts"], low["admitted"], low["successes"]) == (1, 1, 0)
     assert low["pass_rate"]["value"] == 0.0 and low["pass_rate"]["hi"] > 0.5  # Wilson at 0/1
     assert low["output_tokens"] == 8 and low["turns"] == 1 and low["wall_seconds"] > 0
+    assert (low["tool_calls"], low["tool_calls_by_tool"], low["model_calls"]) == (0.0, {}, 1.0)
     (r,) = json.loads((out / "results.json").read_text())["records"]
     assert r["task_id"] == "hello-file" and r["verifier_returncode"] != 0 and r["reason"] is None
     assert Path(r["session_path"]).is_file() and (out / "frontier.png").stat().st_size > 1000
