@@ -207,6 +207,8 @@ def test_scripted_two_turn_sessions(tok, cfg):
     assert (t2.finish_reason, t2.malformed, t2.admitted, t2.turns) == ("malformed", True, False, 1)
     assert "unknown tool 'read'" in t2.reason
     assert (t3.finish_reason, t3.success, t3.malformed, t3.turns) == ("max_turns", False, False, 2)
+    # Tool calls that ran: not the malformed turn's, nor t3's second call, cut by the turn budget.
+    assert [t.tool_calls for t in trajs] == [1, 1, 0, 1]
 
     for sid, t in enumerate(trajs):
         # the session's ids are what the engine held, the mask is 1 exactly on what it emitted
@@ -223,13 +225,14 @@ def test_scripted_two_turn_sessions(tok, cfg):
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask, strict=True) if not m)
         assert t.output_tokens == sum(t.mask) and t.prompt_len == emitted[0].prompt_len
         a = t.to_attempt()
-        assert (a.task_id, a.level, a.success, a.admitted, a.reasoning_tokens, a.turns) == (
+        assert (a.task_id, a.level, a.success, a.admitted, a.reasoning_tokens, a.turns, a.tool_calls) == (
             t.task_id,
             levels[sid],
             t.success,
             not t.malformed,
             t.reasoning_tokens,
             t.turns,
+            t.tool_calls,
         )
 
     # the observation is the tool result in the template's own markup, fed to the next turn

@@ -1,6 +1,7 @@
 """The GRPO loop's pure parts: row layout, task draws and seeds, resume bookkeeping, gap metrics,
 and the run config's validation."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,9 +15,12 @@ from jaxpi.rl.config import GRPOConfig
 from jaxpi.rl.metrics import engine_gap_metrics
 from jaxpi.rl.resume import FIXED_ON_RESUME, changed_keys, truncate_attempts, with_later_defaults
 from jaxpi.rl.reward import RewardConfig, score_collection
+from jaxpi.stats.levels import level_stats
 
 
-def traj(ids, mask, logp, *, malformed=False, name="t", task="t", success=False, finish=None):
+def traj(
+    ids, mask, logp, *, malformed=False, name="t", task="t", success=False, finish=None, tool_calls=None
+):
     return Trajectory(
         task_id=task,
         level="low",
@@ -31,6 +35,7 @@ def traj(ids, mask, logp, *, malformed=False, name="t", task="t", success=False,
         success=success,
         malformed=malformed,
         attempt_id=name,
+        tool_calls=tool_calls,
     )
 
 
@@ -94,6 +99,40 @@ def test_malformed_attempts_supervised_only_when_scored_as_failures():
     np.testing.assert_array_equal(trajectory_batch(trajs, [0.0] * 4, length=5)["loss_mask"], masks["exclude"])
     with pytest.raises(ValueError, match="3 supervised flags for 4"):
         trajectory_batch(trajs, [0.0] * 4, length=5, supervised=[True] * 3)
+
+
+def test_tool_calls_reach_the_reward_the_records_and_the_level_stats():
+    trajs = [
+        traj([5, 6], [0, 1], [0.0, -1.0], name="lean", success=True, tool_calls=1),
+        traj([5, 6], [0, 1], [0.0, -1.0], name="heavy", success=True, tool_calls=4),
+        traj([5, 6], [0, 1], [0.0, -1.0], name="lost", tool_calls=0),
+    ]
+    attempts = collection_attempts(trajs, [0, 0, 0], current=0, max_staleness=1)
+    assert [a.tool_calls for a in attempts] == [1, 4, 0]
+    score = score_collection(attempts, RewardConfig(kind="binary", levels=("low",), tool_bonus=0.1))
+    # The lean success saved 3 of the heavy one's 4 calls; the failure made fewer still and gets nothing.
+    np.testing.assert_allclose(score.rewards, [1.075, 1.0, 0.0], rtol=0, atol=1e-15)
+    assert score.levels["low"].mean_tool_calls == pytest.approx(5 / 3)
+    lines = json.loads(json.dumps(attempt_records("train", 0, trajs, score)))
+    assert [r["tool_calls"] for r in lines] == [1, 4, 0]
+    assert level_stats(lines, ["low"])["low"].tool_calls == pytest.approx(5 / 3)
+    # attempts.jsonl written before the count existed: the mean is unknown, not zero.
+    older = [{k: v for k, v in r.items() if k != "tool_calls"} for r in lines]
+    assert level_stats(older, ["low"])["low"].tool_calls is None
+
+
+def test_pi_attempt_carries_its_tool_calls():
+    from jaxpi.rl.pi_env import attempt_trajectory
+    from jaxpi.runner.record import AttemptRecord
+
+    rec = AttemptRecord(
+        "a", "t", "low", False, False, "upstream_error", None, 2, 0, 0, 1.0,
+        session_path="session.jsonl", tool_calls={"bash": 2, "read": 1},
+    )  # fmt: skip
+    assert attempt_trajectory(rec, [], (1, 2)).tool_calls == 3
+    # No session came back: what Pi ran is unknown.
+    gone = dataclasses.replace(rec, session_path=None, tool_calls={})
+    assert attempt_trajectory(gone, [], (1, 2)).tool_calls is None
 
 
 def test_draws_and_seeds_are_functions_of_seed_and_step():

@@ -163,6 +163,36 @@ def test_session_summary_reads_turns_and_names_bad_lines(tmp_path):
         AttemptRecord("a", "t", "low", False, True, "timeout", None, 0, 0, 0, 0.0)
 
 
+def test_session_summary_counts_tool_calls_by_tool(tmp_path):
+    def turn(i: int, *names: str) -> dict:
+        blocks = [
+            {"type": "toolCall", "id": f"c{i}{j}", "name": n, "arguments": {}} for j, n in enumerate(names)
+        ]
+        msg = {"role": "assistant", "content": blocks, "usage": {"output": 1}, "stopReason": "toolUse"}
+        return {"type": "message", "id": str(i), "parentId": None, "message": msg}
+
+    session = tmp_path / "s.jsonl"
+    entries = [
+        {"type": "session", "version": 3, "id": "x", "cwd": "/w"},
+        turn(1, "bash", "read"),
+        turn(2, "bash"),
+    ]
+    session.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
+    s = read_session_summary(session)
+    assert s.tool_calls_by_name == {"bash": 2, "read": 1} and s.tool_calls == 3 and s.turns == 2
+    # The record keeps them by tool, with the model calls; its JSON builds the record again.
+    rec = AttemptRecord(
+        "a", "t", "low", True, True, None, "answer", 2, 2, 0, 1.0,
+        tool_calls=s.tool_calls_by_name, model_calls=2,
+    )  # fmt: skip
+    d = json.loads(json.dumps(rec.to_json()))
+    assert (d["tool_calls"], d["model_calls"]) == ({"bash": 2, "read": 1}, 2)
+    assert AttemptRecord(**d) == rec
+    # A record written before the counts existed still loads: nothing counted, no model call known.
+    old = {k: v for k, v in d.items() if k not in ("tool_calls", "model_calls")}
+    assert (AttemptRecord(**old).tool_calls, AttemptRecord(**old).model_calls) == ({}, 0)
+
+
 def test_attempt_files_get_the_umasks_permissions(tmp_path, monkeypatch):
     """record.json is written with the mode `open(..., "w")` would give it (0o666 less the umask),
     not mkstemp's 0600, so another user (a trainer, a reviewer) can read the attempts."""
@@ -290,6 +320,7 @@ def test_jaxpi_eval_writes_the_table_json_png_and_comparison(evaluated):
     assert (low["attempts"], low["admitted"], low["successes"]) == (1, 1, 0)
     assert low["pass_rate"]["value"] == 0.0 and low["pass_rate"]["hi"] > 0.5  # Wilson at 0/1
     assert low["output_tokens"] == 8 and low["turns"] == 1 and low["wall_seconds"] > 0
+    assert (low["tool_calls"], low["tool_calls_by_tool"], low["model_calls"]) == (0.0, {}, 1.0)
     (r,) = json.loads((out / "results.json").read_text())["records"]
     assert r["task_id"] == "hello-file" and r["verifier_returncode"] != 0 and r["reason"] is None
     assert Path(r["session_path"]).is_file() and (out / "frontier.png").stat().st_size > 1000
@@ -453,6 +484,8 @@ def test_pi_solves_the_task_with_a_real_tool_call(collected):
     assert "exit 0" in (detail / "verifier.txt").read_text()
     # One token-exact sample: the second call's prompt extends the first call's prompt + completion.
     assert stats["samples"] == 1 and stats["splits"] == 0 and traj.admitted and traj.success
+    # The record counts what Pi ran by tool, and the gateway's two call records; GRPO carries the total.
+    assert rec.tool_calls == {"bash": 1} and rec.model_calls == 2 and traj.tool_calls == 1
 
 
 @needs_pi

@@ -1,5 +1,6 @@
-"""The pictures (frontier.png, ordering.png, pass_rate.png) drawn from generated summaries: no two
-visible texts overlap, a step axis has integer ticks, and every line style has a legend entry.
+"""The pictures (frontier.png, ordering.png, pass_rate.png, tool_calls.png) drawn from generated
+summaries and records: no two visible texts overlap, a step axis has integer ticks, and every line
+style has a legend entry.
 
 The figures come from the builders (`frontier_figure`, `ordering_figure`, `pass_rate_figure`),
 drawn on their Agg canvas; nothing is written. A few shapes by default, more under slow.
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 from jaxpi.rl.report_plots import ordering_figure, pass_rate_figure
 from jaxpi.stats.intervals import Estimate
 from jaxpi.stats.levels import LevelStats, Summary
-from jaxpi.stats.plots import frontier_figure
+from jaxpi.stats.paired import paired_tool_calls
+from jaxpi.stats.plots import frontier_figure, tool_calls_figure
 
 LEVEL_SETS = (
     ("low", "medium", "xhigh"),
@@ -210,6 +212,32 @@ def test_every_picture_on_many_shapes(series):
     if len(series[0][0].levels) > 1:
         check(ordering_figure(series), steps=True)
     check(pass_rate_figure(series), steps=True)
+
+
+@st.composite
+def tool_call_comparisons(draw: Any) -> tuple[dict[str, Any], str, str]:
+    """Two evaluations' solved attempts with tool counts (0-60 calls), compared per level and pooled."""
+    levels = draw(st.sampled_from(LEVEL_SETS))
+    record = st.fixed_dictionaries(
+        {
+            "task_id": st.sampled_from([f"t{i}" for i in range(30)]),
+            "level": st.sampled_from(levels),
+            "admitted": st.just(True),
+            "success": st.booleans(),
+            "tool_calls": st.integers(0, draw(st.sampled_from([3, 60]))),
+        }
+    )
+    a, b = draw(st.lists(record, max_size=80)), draw(st.lists(record, max_size=80))
+    comparison = {lv: paired_tool_calls(a, b, lv) for lv in levels}
+    comparison["all"] = paired_tool_calls(a, b, None)
+    name_a, name_b = draw(st.permutations(NAMES))[:2]
+    return comparison, name_a, name_b
+
+
+@FEW
+@given(case=tool_call_comparisons())
+def test_tool_calls(case):
+    check(tool_calls_figure(*case), steps=False)
 
 
 def test_the_labels_of_coinciding_points_are_apart():

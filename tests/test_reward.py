@@ -1,13 +1,19 @@
-"""Effort-ordered reward and advantages on hand-built collections, every number worked out by hand."""
+"""Effort-ordered reward and advantages on hand-built collections, every number worked out by hand;
+the tool-efficiency bonus by hand and by its properties over drawn collections."""
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import seed as fixed_seed
+from hypothesis import strategies as st
 
 from jaxpi.configfile import load_config
 from jaxpi.rl import (
+    KINDS,
     PHI,
     Attempt,
     RewardConfig,
@@ -17,7 +23,9 @@ from jaxpi.rl import (
     references,
     rewards,
     score_collection,
+    tool_bonuses,
 )
+from jaxpi.rl.reward import MALFORMED, TOOL_BONUS_MAX, scored
 
 # A small floor keeps the hand arithmetic readable; n_min = 2 as by default.
 CFG = RewardConfig(n_min=2, b_min=10.0, phi="exp", phi_scale=1.0)
@@ -389,3 +397,178 @@ def test_malformed_attempts_are_checked():
     ):
         with pytest.raises(ValueError, match=r"attempt 0 \(task 't'\): a malformed attempt must be neither"):
             score_collection([bad], FAIL)
+
+
+# ---- the tool-efficiency bonus, equation (6) ------------------------------------------------------
+
+LEVELS = CFG.levels
+
+
+def tools(task: str, level: str, ok: bool, calls: int | None, tokens: int = 50, **kw) -> Attempt:
+    return att(task, level, ok, tokens, tool_calls=calls, **kw)
+
+
+def test_tool_bonus_by_hand():
+    w = 0.1
+    group = [
+        tools("t", "low", True, 2),  # 0  M = 4: w·(1 − 2/4) = 0.05
+        tools("t", "low", True, 4),  # 1  the heaviest success: 0
+        tools("t", "low", True, None),  # 2  not counted: no bonus, and not in C
+        tools("t", "low", False, 1),  # 3  a failure with fewer calls: 0
+        tools("t", "low", True, 0, admitted=False),  # 4  not admitted: 0
+        tools("t", "medium", True, 9),  # 5  the group's only success: 0
+        tools("u", "low", True, 0),  # 6  every success of u/low made no call: 0
+        tools("u", "low", True, 0),  # 7
+        tools("v", "low", True, 0),  # 8  M = 3: the full w
+        tools("v", "low", True, 3),  # 9
+    ]
+    binary = RewardConfig(kind="binary", tool_bonus=w)
+    np.testing.assert_array_equal(tool_bonuses(group, binary), [0.05, 0, 0, 0, 0, 0, 0, 0, w, 0])
+    np.testing.assert_allclose(
+        rewards(group, binary), [1.05, 1, 1, 0, 0, 1, 1, 1, 1 + w, 1], rtol=0, atol=1e-15
+    )
+    # Effort-ordered: the bonus adds to equation (4), here to medium's R = 1/2 + 1/2·e^(−1).
+    eo = [tools("t", "xhigh", True, 1, 100), tools("t", "xhigh", True, 1, 100)]
+    eo += [tools("t", "medium", True, 2, 200), tools("t", "medium", True, 8, 100)]
+    cfg = dataclasses.replace(CFG, tool_bonus=w)
+    np.testing.assert_allclose(rewards(eo, cfg), [1, 1, 0.5 + 0.5 * E1 + w * 0.75, 1], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("weight", [-0.1, 0.51, 1.0, float("nan"), float("inf"), True, "0.1"])
+def test_tool_bonus_weight_is_validated(weight):
+    with pytest.raises(ValueError, match=r"reward\.tool_bonus must be a number in \[0, 0\.5\]"):
+        RewardConfig(tool_bonus=weight)
+
+
+def test_tool_bonus_weight_bounds_and_yaml():
+    assert RewardConfig().tool_bonus == 0.0  # off by default
+    RewardConfig(tool_bonus=0.5)
+    RewardConfig(tool_bonus=0)
+    assert load_config(RewardConfig, None, ["tool_bonus=0.1"]).tool_bonus == 0.1
+
+
+def test_tool_calls_are_checked():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"attempt 0 \(task 't'\): tool_calls must be None or an int"):
+            rewards([tools("t", "low", True, bad)], CFG)
+    np.testing.assert_array_equal(rewards([tools("t", "low", True, np.int64(3))], CFG), [1.0])
+
+
+def test_level_summary_means_tool_calls_where_counted():
+    counted = [
+        tools("t", "low", True, 2),
+        tools("t", "low", False, 5),
+        tools("t", "low", True, 9, admitted=False),
+    ]
+    s = score_collection(counted, CFG)
+    assert s.levels["low"].mean_tool_calls == 3.5  # over admitted attempts, successes and failures
+    assert s.metrics()["level/low/mean_tool_calls"] == 3.5
+    partly = score_collection([*counted, tools("t", "low", True, None)], CFG)
+    assert partly.levels["low"].mean_tool_calls is None  # one admitted attempt without a count
+    assert "level/low/mean_tool_calls" not in partly.metrics()
+
+
+@st.composite
+def collections(draw):
+    """A collection over 2 tasks × the levels: each attempt admitted (a success or not), malformed,
+    or left out for another reason; a tool-call count or none."""
+    out = []
+    for _ in range(draw(st.integers(1, 24))):
+        fate = draw(st.sampled_from(["admitted", "admitted", "admitted", "malformed", "out"]))
+        ok = fate == "admitted" and draw(st.booleans())
+        out.append(
+            Attempt(
+                task_id=draw(st.sampled_from(["a", "b"])),
+                level=draw(st.sampled_from(LEVELS)),
+                success=ok,
+                reasoning_tokens=draw(st.integers(0, 600)),
+                admitted=fate == "admitted",
+                malformed=fate == "malformed",
+                tool_calls=draw(st.none() | st.integers(0, 12)),
+            )
+        )
+    return out
+
+
+CONFIGS = st.builds(
+    lambda kind, w, malformed: RewardConfig(
+        kind=kind, levels=LEVELS, n_min=2, b_min=10.0, tool_bonus=w, malformed=malformed
+    ),
+    st.sampled_from(KINDS),
+    st.sampled_from([0.1, TOOL_BONUS_MAX]) | st.floats(0.0, TOOL_BONUS_MAX),  # the validated range
+    st.sampled_from(MALFORMED),
+)
+
+
+def groups_of(attempts, cfg):
+    in_group = scored(attempts, cfg)
+    out = {}
+    for i, a in enumerate(attempts):
+        if in_group[i]:
+            out.setdefault((a.task_id, a.level), []).append(i)
+    return out.values()
+
+
+@fixed_seed(6)
+@settings(max_examples=300, deadline=None)
+@given(attempts=collections(), cfg=CONFIGS)
+def test_tool_bonus_never_rewards_a_failure_and_is_bounded(attempts, cfg):
+    b = tool_bonuses(attempts, cfg)
+    for a, x in zip(attempts, b, strict=True):
+        if not (a.admitted and a.success) or a.tool_calls is None:
+            assert x == 0.0, a
+        assert 0.0 <= x <= cfg.tool_bonus
+
+
+@fixed_seed(7)
+@settings(max_examples=300, deadline=None)
+@given(attempts=collections(), cfg=CONFIGS)
+def test_a_success_outranks_every_failure_in_its_group(attempts, cfg):
+    r = rewards(attempts, cfg)
+    for idx in groups_of(attempts, cfg):
+        wins = [r[i] for i in idx if attempts[i].success]
+        losses = [r[i] for i in idx if not attempts[i].success]
+        if wins and losses:
+            assert min(wins) > max(losses)
+
+
+@fixed_seed(8)
+@settings(max_examples=300, deadline=None)
+@given(attempts=collections(), cfg=CONFIGS)
+def test_fewer_tool_calls_never_score_lower_in_a_group(attempts, cfg):
+    b, r = tool_bonuses(attempts, cfg), rewards(attempts, cfg)
+    base = rewards(attempts, dataclasses.replace(cfg, tool_bonus=0.0))
+    for idx in groups_of(attempts, cfg):
+        counted = [i for i in idx if attempts[i].success and attempts[i].tool_calls is not None]
+        for i, j in itertools.permutations(counted, 2):
+            if attempts[i].tool_calls < attempts[j].tool_calls:
+                assert b[i] >= b[j]
+                # Whatever (4) gives them, the bonus only moves the leaner success up relative to the other.
+                assert r[i] - r[j] >= base[i] - base[j] - 1e-12
+                if cfg.kind == "binary":
+                    assert r[i] >= r[j]
+
+
+@fixed_seed(9)
+@settings(max_examples=200, deadline=None)
+@given(attempts=collections(), cfg=CONFIGS)
+def test_weight_zero_or_no_counts_leave_every_reward_bit_identical(attempts, cfg):
+    uncounted = [dataclasses.replace(a, tool_calls=None) for a in attempts]
+    # The default weight (no tool_bonus given), as every existing config has it.
+    off = RewardConfig(kind=cfg.kind, levels=LEVELS, n_min=2, b_min=10.0, malformed=cfg.malformed)
+    before = score_collection(uncounted, off)  # the rewards as they were before tool counts existed
+    for atts, c in ((attempts, off), (uncounted, cfg)):
+        now = score_collection(atts, c)
+        assert now.rewards.tobytes() == before.rewards.tobytes()
+        assert now.advantages.tobytes() == before.advantages.tobytes()
+
+
+@fixed_seed(10)
+@settings(max_examples=200, deadline=None)
+@given(attempts=collections(), cfg=CONFIGS)
+def test_advantages_stay_mean_centred_per_group_with_the_bonus(attempts, cfg):
+    score = score_collection(attempts, cfg)
+    for idx in groups_of(attempts, cfg):
+        assert abs(score.advantages[idx].sum()) < 1e-9
+        spread = score.rewards[idx].max() - score.rewards[idx].min()
+        assert np.all(np.abs(score.advantages[idx]) <= spread + 1e-12)

@@ -8,7 +8,8 @@ checkpoints by it).
 Both take --config NAME (configs/eval/, configs/select/) and trailing key=value overrides of the
 keys their --help lists. Without --endpoint the command starts `jaxpi serve` on the checkpoint and
 the recording gateway in front of it, and stops both at the end. `--compare` takes a saved
-evaluation (a directory with results.json) or another checkpoint (evaluated the same way first).
+evaluation (a directory with results.json) or another checkpoint (evaluated the same way first)
+and prints the paired pass-rate differences and the tool-call change on the tasks both solve.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def add_subparser(sub: Any) -> None:
         help=help_for("eval"),
         description="Runs every task x level x K real Pi attempts (sandboxed, verifier-scored) against the "
         "model and prints the per-level table: pass rate with its 95% Wilson interval, mean reasoning "
-        "tokens (task-bootstrap interval), output tokens, turns, wall time. Saves results.json, table.txt "
-        "and frontier.png (pass rate vs reasoning tokens, arrows L->M->X) in --out.",
+        "tokens (task-bootstrap interval), output tokens, turns, tool calls, model calls, wall time. Saves "
+        "results.json, table.txt and frontier.png (pass rate vs reasoning tokens, arrows L->M->X) in --out. "
+        "--compare adds paired pass-rate differences and the tool-call change on the tasks both solve "
+        "(compare.json, compare.png, tool_calls.png).",
     )
     add_config_arguments(ev, EVAL)
     ev.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -155,6 +158,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "overall": res["overall"],
     }
     text = res["table_text"]
+    plots = f"plot:    {out / 'frontier.png'}"
     if cfg.compare:
         cp = Path(cfg.compare)
         if (cp / "results.json").is_file() or cp.suffix == ".json":
@@ -166,7 +170,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cmp = compare(res, other, out)
         report["compare"] = {k: v for k, v in cmp.items() if k != "text"}
         text += "\n\n" + cmp["text"]
-    emit(report, args.json, f"{text}\n\nresults: {out / 'results.json'}\nplot:    {out / 'frontier.png'}")
+        report["tool_calls_png"] = str(out / "tool_calls.png")
+        plots += f"\n         {out / 'compare.png'}\n         {out / 'tool_calls.png'}"
+    emit(report, args.json, f"{text}\n\nresults: {out / 'results.json'}\n{plots}")
     return 0
 
 

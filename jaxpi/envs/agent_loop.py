@@ -42,7 +42,8 @@ class Trajectory:
     """One attempt, token-exact (see the module docstring for the layout).
 
     `output_tokens` counts sampled tokens (sum of `mask`); `reasoning_tokens` those inside
-    thinking blocks only. `finish_reason`: "answer" (a final answer, verified), "malformed",
+    thinking blocks only. `tool_calls` counts the well-formed tool calls that ran (None where the
+    producer did not count them). `finish_reason`: "answer" (a final answer, verified), "malformed",
     "length" (a turn or the context ran out), "max_turns", "max_tokens" (the attempt's sampled-token
     budget). `admitted` is False exactly for malformed attempts; `reason` says why an attempt
     ended other than with an answer. `messages` is the conversation as chat messages (tool results
@@ -65,6 +66,7 @@ class Trajectory:
     final_answer: str | None = None
     messages: tuple[dict, ...] = ()
     attempt_id: str | None = None
+    tool_calls: int | None = None
 
     @property
     def admitted(self) -> bool:
@@ -80,6 +82,7 @@ class Trajectory:
             admitted=self.admitted,
             output_tokens=self.output_tokens,
             turns=self.turns,
+            tool_calls=self.tool_calls,
         )
 
 
@@ -103,6 +106,7 @@ class _Run:
     reasoning: int = 0
     output: int = 0
     turns: int = 0
+    tool_calls: int = 0  # well-formed calls run through env.run_tool
     end: EndReason | None = None
     success: bool = False
     malformed: bool = False
@@ -278,6 +282,7 @@ def run_attempts(
                 final_answer=r.answer,
                 messages=tuple(r.msgs),
                 attempt_id=f"{r.task.task_id}/{r.level}/{seed + i}",
+                tool_calls=r.tool_calls,
             )
         )
     return out
@@ -320,5 +325,6 @@ def _take_turn(
         {"role": "tool", "name": c.name, "content": env.run_tool(run.env_state, c.name, c.arguments)}
         for c in turn.tool_calls
     ]
+    run.tool_calls += len(results)
     run.pending = tpl.encode(tpl.observation(run, assistant, results))
     run.msgs += [assistant, *results]

@@ -14,7 +14,7 @@ Tool errors a real harness would show the model (a missing key, a bad path) are 
 not exceptions; calls that do not parse never reach the environment (the loop flags them).
 
 An `Attempt` is what the reward (`jaxpi.rl.reward`) reads of one finished attempt: its outcome and
-reasoning length, whether it was admitted.
+reasoning length, whether it was admitted, and (when the harness counts them) its tool calls.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class Attempt:
 
     `reasoning_tokens` counts tokens inside thinking blocks summed over turns (not answers, tool
     calls or observations). `output_tokens` and `turns` are optional and only feed the per-level
-    summary. `malformed` marks a non-admitted attempt whose own output broke the format (never a
+    summary. `tool_calls` is the number of tool calls the attempt ran (None: not counted); it feeds
+    the summary and `RewardConfig.tool_bonus`, which gives an attempt without a count no bonus.
+    `malformed` marks a non-admitted attempt whose own output broke the format (never a
     success); `RewardConfig.malformed` decides whether it counts as a failure in its group.
     """
 
@@ -86,6 +88,7 @@ class Attempt:
     output_tokens: int | None = None
     turns: int | None = None
     malformed: bool = False
+    tool_calls: int | None = None
 
 
 @runtime_checkable

@@ -3,6 +3,10 @@
     OUT/results.json    the records of every attempt, the per-level table, the overall pass rate
     OUT/table.txt       the table as printed
     OUT/frontier.png    pass rate vs mean reasoning tokens, one point per level, arrows L→M→X
+    with --compare:
+    OUT/compare.json    paired pass-rate differences and tool-call changes, per level and pooled
+    OUT/compare.png     both frontiers
+    OUT/tool_calls.png  per task both solve: A's tool calls against B's, the line y = x
     OUT/attempts/<id>/  each attempt's session.jsonl, events.jsonl, verifier.txt, record.json
 
 Written atomically (temp file + rename), so a killed run never leaves a half-written results.json.
@@ -18,11 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from jaxpi import atomic
-from jaxpi.eval.stats import compare_text, level_table, overall_pass_rate, summary, table_text
+from jaxpi.eval.stats import (
+    as_report_attempts,
+    compare_text,
+    level_table,
+    overall_pass_rate,
+    summary,
+    table_text,
+    tool_calls_text,
+)
 from jaxpi.runner.attempt import KeyFn, RunnerConfig, TraceFn, run_attempts
 from jaxpi.runner.record import AttemptRecord
-from jaxpi.stats.paired import paired_difference
-from jaxpi.stats.plots import plot_frontier
+from jaxpi.stats.paired import paired_difference, paired_tool_calls
+from jaxpi.stats.plots import plot_frontier, plot_tool_calls
 from jaxpi.tasks.task import Task
 
 RESULTS = "results.json"
@@ -149,17 +161,24 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], out: Path | None = None) -> dict[str, Any]:
-    """Paired per-level (and pooled) differences of two evaluations; the PNG with both when `out`."""
+    """Paired per-level (and pooled) differences of two evaluations: pass rates over the tasks both
+    attempted, tool calls over the tasks both solve (A − B); the PNGs and compare.json when `out`."""
     levels = [lv for lv in a["levels"] if lv in b["levels"]]
     if not levels:
         raise ValueError(f"{a['name']} and {b['name']} share no effort level")
     diffs = {lv: paired_difference(a["records"], b["records"], lv) for lv in levels}
     diffs["all"] = paired_difference(a["records"], b["records"], None)
-    result = {"a": a["name"], "b": b["name"], "levels": levels, "differences": diffs}
-    result["text"] = compare_text(diffs, a["name"], b["name"])
+    ta, tb = as_report_attempts(a["records"]), as_report_attempts(b["records"])
+    tools = {lv: paired_tool_calls(ta, tb, lv) for lv in [*levels, None]}
+    tools = {("all" if lv is None else lv): c for lv, c in tools.items()}
+    result = {"a": a["name"], "b": b["name"], "levels": levels, "differences": diffs, "tool_calls": tools}
+    result["text"] = (
+        compare_text(diffs, a["name"], b["name"]) + "\n\n" + tool_calls_text(tools, a["name"], b["name"])
+    )
     if out is not None:
         sa, sb = summary(a["records"], levels, a["name"]), summary(b["records"], levels, b["name"])
         plot_frontier([(sa, sa), (sb, sb)], out / "compare.png")
+        plot_tool_calls(tools, a["name"], b["name"], out / "tool_calls.png")
         write_atomic(out / "compare.json", json.dumps(result, indent=2))
     return result
 

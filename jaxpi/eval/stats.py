@@ -4,10 +4,16 @@ Per effort level, over the attempt records of one checkpoint:
 - pass rate over admitted attempts with its 95% Wilson interval (`jaxpi.stats.levels.level_stats`,
   the same numbers `jaxpi report` prints for GRPO runs);
 - mean reasoning tokens per admitted attempt with a 95% cluster-bootstrap interval over tasks;
-- mean output tokens, turns and wall seconds per admitted attempt; the admitted share.
+- mean output tokens, turns and wall seconds per admitted attempt; the admitted share;
+- mean tool calls per admitted attempt (all tools, and by tool in results.json) and model calls.
+
+Records written before the tool and model counts existed lack those keys: the counts are unknown
+there (None, printed "-"), never zero.
 
 Two checkpoints on the same tasks are compared by `jaxpi.stats.paired.paired_difference` (a
-bootstrap over tasks of the per-task difference in pass rate); `compare_text` prints it.
+bootstrap over tasks of the per-task difference in pass rate); `compare_text` prints it. Their
+tool calls on the tasks both solve are compared by `jaxpi.stats.paired.paired_tool_calls`;
+`tool_calls_text` prints that.
 """
 
 from __future__ import annotations
@@ -33,7 +39,18 @@ def as_report_attempts(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
         "turns",
         "attempt_id",
     )
-    return [{"split": "eval", "step": 0, **{k: r[k] for k in keys}} for r in records]
+    return [{"split": "eval", "step": 0, **{k: r[k] for k in keys}, "tool_calls": _tools(r)} for r in records]
+
+
+def _tools(record: dict[str, Any]) -> int | None:
+    """An attempt's tool calls, every tool together; None where the record has no count."""
+    by_tool = record.get("tool_calls")
+    return None if by_tool is None else sum(by_tool.values())
+
+
+def _mean_if_all(values: Sequence[float | None]) -> float | None:
+    """The mean, or None when there is nothing or some value is unknown."""
+    return float(np.mean(values)) if values and None not in values else None
 
 
 def summary(records: Sequence[dict[str, Any]], levels: Sequence[str], name: str) -> Summary:
@@ -63,6 +80,10 @@ def level_table(records: Sequence[dict[str, Any]], levels: Sequence[str]) -> dic
         for r in at:
             if not r["admitted"]:
                 reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+        by_tool = None
+        if adm and all(r.get("tool_calls") is not None for r in adm):
+            names = sorted({name for r in adm for name in r["tool_calls"]})
+            by_tool = {n: float(np.mean([r["tool_calls"].get(n, 0) for r in adm])) for n in names}
         out[level] = {
             "attempts": s.scheduled,
             "admitted": s.admitted,
@@ -72,6 +93,9 @@ def level_table(records: Sequence[dict[str, Any]], levels: Sequence[str]) -> dic
             "output_tokens": s.output_tokens,
             "turns": s.turns,
             "wall_seconds": float(np.mean([r["wall_seconds"] for r in adm])) if adm else None,
+            "tool_calls": s.tool_calls,
+            "tool_calls_by_tool": by_tool,
+            "model_calls": _mean_if_all([r.get("model_calls") for r in adm]),
             "not_admitted": reasons,
         }
     return out
@@ -104,6 +128,8 @@ def table_text(table: dict[str, dict[str, Any]], title: str) -> str:
         "reasoning tok",
         "output tok",
         "turns",
+        "tool calls",
+        "model calls",
         "wall s",
         "not admitted",
     )
@@ -118,6 +144,8 @@ def table_text(table: dict[str, dict[str, Any]], title: str) -> str:
                 "-" if rt is None else f"{rt['value']:.0f} [{rt['lo']:.0f}, {rt['hi']:.0f}]",
                 _num(r["output_tokens"]),
                 _num(r["turns"], ".1f"),
+                _num(r.get("tool_calls"), ".1f"),  # .get: a table saved before these columns
+                _num(r.get("model_calls"), ".1f"),
                 _num(r["wall_seconds"], ".1f"),
                 ", ".join(f"{k} {v}" for k, v in sorted(r["not_admitted"].items())) or "-",
             )
@@ -138,4 +166,32 @@ def compare_text(diffs: dict[str, dict[str, Any] | None], name_a: str, name_b: s
             lines.append(
                 f"  {level:8s} {100 * d['value']:+.0f} pts [{100 * d['lo']:+.0f}, {100 * d['hi']:+.0f}] over {d['tasks']} tasks"
             )
+    return "\n".join(lines)
+
+
+def tool_calls_text(changes: dict[str, dict[str, Any] | None], name_a: str, name_b: str) -> str:
+    """`paired_tool_calls` per level (and "all", pooled) as lines: the mean per-task relative
+    change, the mean per-task difference in calls, both with 95% intervals, and each run's mean."""
+    lines = [
+        f"tool calls on the tasks both solve, {name_a} vs {name_b} "
+        "(per task: mean over its successes; bootstrap over tasks, 95%)"
+    ]
+    for level, c in changes.items():
+        if c is None:
+            lines.append(f"  {level:8s} no task solved by both (with a tool-call count)")
+            continue
+        rel = c["relative"]
+        shown = (
+            "no relative change: B made no call"
+            if rel is None
+            else f"{100 * rel['value']:+.0f}% [{100 * rel['lo']:+.0f}, {100 * rel['hi']:+.0f}]"
+        )
+        n = f"{c['tasks']} tasks"
+        if rel is not None and c["relative_tasks"] < c["tasks"]:
+            n += f", relative over the {c['relative_tasks']} where {name_b} made a call"
+        d = c["difference"]
+        lines.append(
+            f"  {level:8s} {shown} ({n}); {d['value']:+.2f} calls [{d['lo']:+.2f}, {d['hi']:+.2f}]; "
+            f"{name_a} {c['mean_a']:.2f}, {name_b} {c['mean_b']:.2f} per solved attempt"
+        )
     return "\n".join(lines)

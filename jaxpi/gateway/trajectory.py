@@ -168,8 +168,10 @@ def to_trajectory(
     final_answer: str | None = None,
     messages: Sequence[dict] = (),
     attempt_id: str | None = None,
+    tool_calls: int | None = None,
 ) -> Trajectory:
-    """The sample as the GRPO code's `Trajectory` (the verifier's outcome comes from the caller)."""
+    """The sample as the GRPO code's `Trajectory` (the verifier's outcome and the harness's tool-call
+    count come from the caller)."""
     return Trajectory(
         task_id=task_id,
         level=level,
@@ -187,4 +189,5 @@ def to_trajectory(
         final_answer=final_answer,
         messages=tuple(messages),
         attempt_id=attempt_id,
+        tool_calls=tool_calls,
     )

@@ -25,6 +25,7 @@ from jaxpi.rl.reward import (
     references,
     rewards,
     score_collection,
+    tool_bonuses,
 )
 
 __all__ = [
@@ -48,5 +49,6 @@ __all__ = [
     "score_collection",
     "sequence_logprobs",
     "token_logprobs",
+    "tool_bonuses",
     "trajectory_weights",
 ]

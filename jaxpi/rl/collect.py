@@ -139,6 +139,7 @@ def attempt_records(
                 "reasoning_tokens": t.reasoning_tokens,
                 "output_tokens": t.output_tokens,
                 "turns": t.turns,
+                "tool_calls": t.tool_calls,
                 "finish_reason": t.finish_reason,
                 "reason": t.reason,
                 "reward": float(r),

@@ -60,6 +60,8 @@ def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[i
     finish = rec.finish if rec.finish in ("answer", "length", "max_turns", "max_tokens") else "answer"
     reason = rec.reason if not rec.admitted else (None if rec.finish == "answer" else rec.finish)
     malformed = not rec.admitted
+    # What Pi ran, every tool together; unknown when no session file came back.
+    tool_calls = sum(rec.tool_calls.values()) if rec.session_path is not None else None
     if rec.admitted and len(samples) != 1:
         malformed, reason = True, f"split: the gateway merged the attempt's calls into {len(samples)} samples"
     if not samples:
@@ -79,6 +81,7 @@ def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[i
             malformed=True,
             reason=reason or "no recorded model call",
             attempt_id=rec.attempt_id,
+            tool_calls=tool_calls,
         )
     # With a split the last sample is carried (for inspection), not trained on (malformed).
     return to_trajectory(
@@ -90,6 +93,7 @@ def attempt_trajectory(rec: AttemptRecord, calls: Sequence[dict], think: tuple[i
         malformed=malformed,
         reason=reason,
         attempt_id=rec.attempt_id,
+        tool_calls=tool_calls,
     )
 
 

@@ -21,6 +21,26 @@ are all equal carries no signal: its advantages are exactly 0.
 The `binary` kind is the plain GRPO baseline: R_i = v_i, the same (task, level) groups, and
 optionally A_i = (R_i − mean) / (std + eps).
 
+The tool-efficiency bonus (`RewardConfig.tool_bonus` = w, default 0: off), after the TwIL-8B-pi
+card (seed 003: weight 0.1) and TRL's async GRPO Harbor example, which adds w·clip(1 − n/15, 0, 1)
+to a correct rollout's reward (n its tool calls, 15 a fixed budget). Here the budget is the group's
+own: the most tool calls any success of the same (task, level) made. With `c_i` the tool calls
+attempt i ran (None: not counted),
+
+    (6) C(x,e) = { c_j : j ∈ G(x,e), v_j = 1, c_j known },   M(x,e) = max C(x,e)
+        b_i    = w · (1 − c_i / M(x,e))      v_i = 1, c_i known, M(x,e) > 0
+               = 0                           otherwise (a failure, a non-admitted attempt, no count,
+                                             or no success of the group made any call)
+        R_i   ← R_i + b_i                    R_i from (4) or the binary R_i = v_i; then (5)
+
+so b_i is w times the share of the heaviest success's calls that attempt i saved: 0 for the
+heaviest (and for a group's only success, or successes that all made as many calls), up to w for a
+success that made none while another made some. 0 ≤ b_i ≤ w, and w is validated to [0, 1/2]:
+every success scores at least 1/2 > 0 = any failure, and the bonus never spreads successes apart
+by more than correctness separates the worst success from a failure (1/2). A failure's bonus is
+exactly 0, so the bonus never rewards failing with fewer calls. At w = 0 nothing is added: every
+reward is bit for bit what (4) or the binary rule gives.
+
 Choices where the report is silent (each is a config field or documented where it acts):
 - φ forms (`RewardConfig.phi`, scale `s = phi_scale`): "exp" φ(z) = exp(−z/s), "rational"
   φ(z) = 1 / (1 + z/s). Defaults: exp with s = 1 (twice the reference scores 1/2 + 1/(2e) ≈ 0.68).
@@ -62,6 +82,7 @@ from jaxpi.envs.base import Attempt
 
 KINDS: tuple[str, ...] = ("effort_ordered", "binary")
 MALFORMED: tuple[str, ...] = ("exclude", "fail")  # what a group does with malformed attempts
+TOOL_BONUS_MAX = 0.5  # the largest tool_bonus weight: the least a success scores in (4)
 
 
 def _phi_exp(z: np.ndarray, s: float) -> np.ndarray:
@@ -94,6 +115,10 @@ class RewardConfig:
     # so breaking the format costs what failing does. Stale or infrastructure-cut attempts are
     # never marked, and stay out under both (module docstring).
     malformed: str = "exclude"
+    # Weight w of the tool-efficiency bonus (equation (6) of jaxpi.rl.reward): a success's bonus for
+    # fewer tool calls than its group's heaviest success, in [0, 0.5]; 0 = off (the TwIL-8B-pi card
+    # used 0.1). Attempts without a tool-call count get none.
+    tool_bonus: float = 0.0
 
     def __post_init__(self) -> None:
         # YAML and the command line hand over lists; the frozen config keeps a hashable tuple.
@@ -126,6 +151,13 @@ class RewardConfig:
             errors.append(f"reward.std_eps must be > 0, got {self.std_eps!r}")
         if self.malformed not in MALFORMED:
             errors.append(f"reward.malformed must be one of {list(MALFORMED)}, got {self.malformed!r}")
+        w = self.tool_bonus
+        if isinstance(w, bool) or not (
+            isinstance(w, int | float) and math.isfinite(w) and 0 <= w <= TOOL_BONUS_MAX
+        ):
+            # Above 1/2 the bonus could separate two successes by more than the worst success (1/2)
+            # stands above a failure: efficiency would outweigh correctness.
+            errors.append(f"reward.tool_bonus must be a number in [0, {TOOL_BONUS_MAX}], got {w!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -145,6 +177,7 @@ class LevelSummary:
     mean_output_tokens: float | None
     mean_turns: float | None
     mean_reward: float | None
+    mean_tool_calls: float | None = None  # per admitted attempt, when every one carries a count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +237,12 @@ def _check(attempts: Sequence[Attempt], cfg: RewardConfig) -> None:
             raise ValueError(f"{_where(i, a)}: reasoning_tokens must be an int, got {a.reasoning_tokens!r}")
         if a.reasoning_tokens < 0:
             raise ValueError(f"{_where(i, a)}: reasoning_tokens must be >= 0, got {a.reasoning_tokens}")
+        if a.tool_calls is not None and (
+            isinstance(a.tool_calls, bool)
+            or not isinstance(a.tool_calls, int | np.integer)
+            or a.tool_calls < 0
+        ):
+            raise ValueError(f"{_where(i, a)}: tool_calls must be None or an int >= 0, got {a.tool_calls!r}")
         if a.malformed and (a.admitted or a.success):
             # The verifier never ran on a broken session: a malformed success or admission is a writer bug.
             raise ValueError(f"{_where(i, a)}: a malformed attempt must be neither admitted nor a success")
@@ -252,9 +291,29 @@ def applicable_reference(
     return min(defined) if defined else None
 
 
+def tool_bonuses(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
+    """Equation (6): each attempt's tool-efficiency bonus b_i, [n] float64 in [0, cfg.tool_bonus];
+    0 for failures, non-admitted attempts, attempts without a count, and everything when the
+    weight is 0."""
+    _check(attempts, cfg)
+    out = np.zeros(len(attempts), dtype=np.float64)
+    if not cfg.tool_bonus:
+        return out
+    counted: dict[tuple[str, str], list[int]] = defaultdict(list)  # C(x,e), as attempt indices
+    for i, a in enumerate(attempts):
+        if a.admitted and a.success and a.tool_calls is not None:
+            counted[(a.task_id, a.level)].append(i)
+    for idx in counted.values():
+        c = np.array([attempts[i].tool_calls for i in idx], dtype=np.float64)
+        heaviest = c.max()  # M(x,e)
+        if heaviest > 0:
+            out[idx] = cfg.tool_bonus * (1.0 - c / heaviest)
+    return out
+
+
 def rewards(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
-    """Equation (4) (or R = v for the binary baseline): [n] float64, 0 for non-admitted attempts
-    (the malformed ones scored as failures included)."""
+    """Equation (4) (or R = v for the binary baseline) plus the tool bonus (6): [n] float64, 0 for
+    non-admitted attempts (the malformed ones scored as failures included)."""
     _check(attempts, cfg)
     out = np.zeros(len(attempts), dtype=np.float64)
     refs = references(attempts, cfg) if cfg.kind == "effort_ordered" else {}
@@ -270,6 +329,8 @@ def rewards(attempts: Sequence[Attempt], cfg: RewardConfig) -> np.ndarray:
             continue
         z = max(0.0, a.reasoning_tokens / ref - 1.0)
         out[i] = 0.5 + 0.5 * float(phi(z, cfg.phi, cfg.phi_scale))
+    if cfg.tool_bonus:  # skipped at 0, so the default rewards stay bit for bit those of (4)
+        out += tool_bonuses(attempts, cfg)
     return out
 
 
@@ -312,6 +373,7 @@ def _level_summary(
     wins = sum(bool(attempts[i].success) for i in admitted)
     outputs = [attempts[i].output_tokens for i in admitted]
     turns = [attempts[i].turns for i in admitted]
+    tools = [attempts[i].tool_calls for i in admitted]
     return LevelSummary(
         scheduled=len(at_level),
         count=len(admitted),
@@ -324,6 +386,7 @@ def _level_summary(
         mean_output_tokens=None if None in outputs else _mean(outputs),
         mean_turns=None if None in turns else _mean(turns),
         mean_reward=_mean([float(r[i]) for i in at_level if in_group[i]]),
+        mean_tool_calls=None if None in tools else _mean(tools),
     )
 
 

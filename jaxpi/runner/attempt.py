@@ -311,6 +311,7 @@ def _run(
         "session_path": str(session) if session else None,
         "events_path": str(out / "events.jsonl"),
         "calls": calls,
+        "model_calls": len(calls),
     }
 
     def reject(
@@ -336,6 +337,9 @@ def _run(
             summary = read_session_summary(session)
         except ValueError as e:
             return reject("malformed_session", str(e))
+        common["tool_calls"] = dict(summary.tool_calls_by_name)
+        if trace is None:  # no gateway records: each assistant turn of the session was one call
+            common["model_calls"] = summary.turns
     # The gateway's records are the exact sampled ids; the session's usage is only the server's count.
     t_out, t_rsn = _trace_counts(calls)
     turns = summary.turns if summary else len(calls)

@@ -50,6 +50,10 @@ class AttemptRecord:
     session_path: str | None = None  # Pi's session file, copied out of the attempt's config home
     events_path: str | None = None  # Pi's --mode json event stream
     calls: tuple[dict, ...] = ()  # the gateway's records of this attempt's model calls
+    # Tool calls Pi ran, by tool name (the session's toolCall blocks); {} when no session was read.
+    tool_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Model calls: the gateway's records of the attempt when traced, else the session's assistant turns.
+    model_calls: int = 0
 
     def __post_init__(self) -> None:
         if self.admitted and self.finish not in FINISHES:
@@ -78,6 +82,7 @@ class SessionSummary:
     tool_calls: int
     messages: int
     last_stop: str | None = None  # stopReason of the last assistant turn ("stop", "length", "toolUse", ...)
+    tool_calls_by_name: dict[str, int] = dataclasses.field(default_factory=dict)  # sums to tool_calls
 
 
 def read_session_summary(path: Path) -> SessionSummary:
@@ -99,6 +104,7 @@ def read_session_summary(path: Path) -> SessionSummary:
         raise ValueError(f"{path}:1: not a Pi v3 session header")
     turns = output = calls = messages = 0
     error = limit = final = last_stop = None
+    by_name: dict[str, int] = {}
     for e in entries[1:]:
         # Written by the runner's Pi extension when it aborts the loop at a limit.
         if e["type"] == "custom" and e.get("customType") == "jaxpi.limit":
@@ -116,9 +122,13 @@ def read_session_summary(path: Path) -> SessionSummary:
         if m.get("stopReason") == "error":
             error = str(m.get("errorMessage") or "model call failed")
         blocks = m.get("content") or []
-        n_calls = sum(1 for b in blocks if isinstance(b, dict) and b.get("type") == "toolCall")
+        tool_blocks = [b for b in blocks if isinstance(b, dict) and b.get("type") == "toolCall"]
+        n_calls = len(tool_blocks)
         calls += n_calls
+        for b in tool_blocks:
+            name = str(b.get("name") or "?")  # a call without a name still ran (or failed) as a call
+            by_name[name] = by_name.get(name, 0) + 1
         text = "".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
         # Only a turn without tool calls is an answer; a later tool turn takes it back.
         final = text if n_calls == 0 else None
-    return SessionSummary(turns, output, error, limit, final, calls, messages, last_stop)
+    return SessionSummary(turns, output, error, limit, final, calls, messages, last_stop, by_name)

@@ -15,6 +15,8 @@ evaluation converts its records to. Per level:
   not independent draws. One resample serves every level, so a ratio T_lower / T_upper is
   bootstrapped on paired tasks. Percentile intervals, fixed seed: reruns print the same numbers.
 - reasoning tokens per turn = Σ reasoning / Σ turns, so that T ≈ (per turn) × (mean turns).
+- mean output tokens, turns and tool calls per admitted attempt, each only where every admitted
+  attempt of the level carries the count (records written before a count existed give None).
 - ordering ratios T_lower / T_upper for adjacent levels (T_L/T_M, T_M/T_X); above 1.0 a lower
   level reasons longer than the one above it, an ordering violation.
 """
@@ -49,6 +51,7 @@ class RunAttempt:
     turns: int | None = None
     collection: int | None = None
     attempt_id: str | None = None
+    tool_calls: int | None = None  # tool calls the attempt ran (None: not counted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,7 @@ class LevelStats:
     reasoning_tokens_per_turn: float | None
     output_tokens: float | None
     turns: float | None
+    tool_calls: float | None = None  # mean per admitted attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "turns": (int,),
     "collection": (int,),
     "attempt_id": (str,),
+    "tool_calls": (int,),
 }
 
 
@@ -215,7 +220,7 @@ def level_stats(
         at_level = [a for a in attempts if a.level == level]
         adm = [a for a in at_level if a.admitted]
         k = sum(a.success for a in adm)
-        pass_rate = reasoning = per_turn = output = turns = None
+        pass_rate = reasoning = per_turn = output = turns = tools = None
         # A non-admitted success (a stale sampler, a split Pi sample) is not a verified one here either.
         scheduled = Estimate(k / len(at_level), *wilson_interval(k, len(at_level))) if at_level else None
         if adm:
@@ -228,6 +233,8 @@ def level_stats(
                 per_turn = float(sum(a.reasoning_tokens for a in adm) / total_turns) if total_turns else None
             if all(a.output_tokens is not None for a in adm):
                 output = float(np.mean([a.output_tokens for a in adm]))
+            if all(a.tool_calls is not None for a in adm):
+                tools = float(np.mean([a.tool_calls for a in adm]))
         out[level] = LevelStats(
             level=level,
             scheduled=len(at_level),
@@ -241,6 +248,7 @@ def level_stats(
             reasoning_tokens_per_turn=per_turn,
             output_tokens=output,
             turns=turns,
+            tool_calls=tools,
         )
     return out
 

@@ -1,5 +1,6 @@
 """The pictures' common parts and the frontier: pass rate against mean reasoning tokens per
-effort level, drawn for GRPO runs (`jaxpi report`) and agent evaluations (`jaxpi eval`).
+effort level, drawn for GRPO runs (`jaxpi report`) and agent evaluations (`jaxpi eval`); and the
+tool calls of two evaluations on the tasks both solve (`jaxpi eval --compare`).
 
 matplotlib is imported on first use (Agg, files only), so importing this module stays light.
 Each picture is a builder that returns a `Figure` (`frontier_figure`; tests/test_plots.py checks
@@ -340,3 +341,58 @@ def fidelity_figure(table: dict[str, Any]) -> Any:
 
 def plot_fidelity(table: dict[str, Any], path: str | os.PathLike) -> Path:
     return save_png(fidelity_figure(table), path)
+
+
+def _signed_pct(e: dict[str, float] | None) -> str:
+    return "-" if e is None else f"{100 * e['value']:+.0f}% [{100 * e['lo']:+.0f}, {100 * e['hi']:+.0f}]"
+
+
+def tool_calls_figure(comparison: dict[str, Any], name_a: str, name_b: str) -> Any:
+    """Per task solved by both runs, A's mean tool calls over its successes against B's, one colour
+    per level (marker area: how many tasks share the point), the line y = x (no change); the title
+    holds the pooled mean change with its 95% interval (`jaxpi.stats.paired.paired_tool_calls`).
+    `comparison` maps each level and "all" (pooled) to that function's result or None."""
+    fig = new_figure((6.8, 5.6))
+    ax = fig.add_subplot()
+    levels = [lv for lv in comparison if lv != "all"]
+    top = 0.0
+    for level, colour in zip(levels, colours(len(levels)), strict=True):
+        c = comparison[level]
+        if c is None:
+            continue
+        points: dict[tuple[float, float], int] = {}
+        for p in c["per_task"].values():
+            points[(p["b"], p["a"])] = points.get((p["b"], p["a"]), 0) + 1
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        top = max(top, *xs, *ys)
+        rel = c["relative"]
+        change = "" if rel is None else f", {100 * rel['value']:+.0f}%"
+        ax.scatter(
+            xs, ys, s=[28 * n for n in points.values()], color=colour, alpha=0.65, edgecolors="white",
+            label=f"{level} ({c['tasks']} tasks{change})",
+        )  # fmt: skip
+    top = max(top, 1.0) * 1.08
+    ax.plot([0, top], [0, top], color="0.45", ls="--", lw=1, label="no change (y = x)")
+    ax.set_xlim(-0.04 * top, top)  # a task with no call sits on the axis, not under it
+    ax.set_ylim(-0.04 * top, top)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"{name_b}: tool calls per solved attempt (mean over the task's successes)")
+    ax.set_ylabel(f"{name_a}: tool calls per solved attempt")
+    ax.grid(alpha=0.3)
+    pooled = comparison.get("all")
+    if pooled is None:
+        sub = "no task solved by both"
+    else:
+        d = pooled["difference"]
+        sub = (
+            f"all levels: {_signed_pct(pooled['relative'])} over {pooled['tasks']} tasks, "
+            f"{d['value']:+.2f} calls [{d['lo']:+.2f}, {d['hi']:+.2f}] (95%)"
+        )
+    ax.set_title(f"Tool calls on the tasks both solve: {name_a} vs {name_b}\n{sub}", fontsize=10)
+    ax.legend(loc="upper left", fontsize="small", title="marker area: tasks", title_fontsize="small")
+    return fig
+
+
+def plot_tool_calls(comparison: dict[str, Any], name_a: str, name_b: str, path: str | os.PathLike) -> Path:
+    """Write `tool_calls_figure(...)` as a PNG at `path`."""
+    return save_png(tool_calls_figure(comparison, name_a, name_b), path)
