@@ -43,8 +43,10 @@ COMMON = (
     Flag("--max-len", "max_len", "served context per request (tokens)"),
     Flag("--max-new-tokens", "max_new_tokens", "tokens per model call"),
     Flag("--wall-seconds", "wall_seconds", "per attempt; 0 = the task's limit"),
+    Flag("--max-turns", "max_turns", "model calls per attempt (Pi makes one per turn); 0 = the task's limit"),
     Flag("--tools", "tools", "Pi's tool allowlist, e.g. bash (default: Pi's read,bash,edit,write)"),
     Flag("--temperature", "temperature", "sampling temperature (default: the server's)"),
+    Flag("--top-p", "top_p", "nucleus sampling (default: the server's)"),
     Flag("--seed", "seed", "seed of the first call; attempts draw apart from it"),
 )
 EVAL = ConfigSpec(

@@ -19,9 +19,11 @@ class AttemptsConfig:
     jobs: int = 2  # attempts at once (and engine rows of the served model)
     max_len: int = 8192  # served context per request, tokens (what Pi is told the model has)
     max_new_tokens: int = 2048  # tokens per model call
-    wall_seconds: float = 0.0  # per attempt; 0 = the task's limit
+    wall_seconds: float = 0.0  # per attempt; 0 = the task's limit (the TwIL-8B-pi card: 1200)
+    max_turns: int = 0  # model calls per attempt (one per Pi turn); 0 = the task's limit (the card: 30)
     tools: tuple[str, ...] = ()  # Pi's tool allowlist, e.g. [bash]; () = Pi's read, bash, edit, write
-    temperature: float | None = None  # sampling temperature; None = the server's
+    temperature: float | None = None  # sampling temperature; None = the server's (the card: 0.8)
+    top_p: float | None = None  # nucleus sampling; None = the server's
     seed: int = 0  # seed of the first call; attempts draw apart from it
 
     def __post_init__(self) -> None:
@@ -34,10 +36,14 @@ class AttemptsConfig:
         for name in ("attempts", "jobs", "max_len", "max_new_tokens"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.wall_seconds < 0:
-            errors.append(f"wall_seconds must be >= 0 (0 = the task's limit), got {self.wall_seconds}")
+        if self.wall_seconds < 0 or self.max_turns < 0:
+            errors.append(
+                f"wall_seconds and max_turns must be >= 0 (0 = the task's limit), got {self.wall_seconds}, {self.max_turns}"
+            )
         if self.temperature is not None and not self.temperature >= 0:
             errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -48,9 +54,11 @@ class AttemptsConfig:
             context_window=self.max_len,
             max_tokens_per_call=self.max_new_tokens,
             wall_seconds=self.wall_seconds,
+            max_turns=self.max_turns,
             jobs=self.jobs,
             tools=self.tools,
             temperature=self.temperature,
+            top_p=self.top_p,
             seed=self.seed,
         )
 

@@ -73,8 +73,11 @@ class CollectConfig:
     group: int = 4  # attempts per (task, level)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_turns: int = 4
+    max_turns: int = 4  # model calls per attempt (turns; the TwIL-8B-pi card: 30)
     max_tokens: int = 256  # sampled tokens per attempt, all turns
+    # env.name=pi: the wall clock of one attempt (the card: 1200); 0 = the task's limit. An attempt
+    # cut by it is not admitted (docs/pi.md, "Caps"); one cut by max_turns / max_tokens is.
+    wall_seconds: float = 0.0
     max_new_tokens: int = 128  # per turn
     max_context: int = 512  # session length (prompt + turns + observations); also the row cap
     row_bucket: int = 128  # training rows are padded to a multiple of this
@@ -113,6 +116,10 @@ class CollectConfig:
                 errors.append(f"collect.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_context < 2:
             errors.append(f"collect.max_context must be >= 2, got {self.max_context}")
+        if not self.wall_seconds >= 0:
+            errors.append(
+                f"collect.wall_seconds must be >= 0 (0 = the task's limit), got {self.wall_seconds}"
+            )
         if self.engine_batch < 0:
             errors.append(f"collect.engine_batch must be >= 0 (0 = all at once), got {self.engine_batch}")
         if not self.temperature >= 0 or not 0 < self.top_p <= 1:

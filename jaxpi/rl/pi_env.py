@@ -144,6 +144,7 @@ class PiCollector:
             max_tokens_per_call=c.max_new_tokens,
             max_turns=c.max_turns,
             max_tokens=c.max_tokens,
+            wall_seconds=c.wall_seconds or self.env.runner.wall_seconds,
             temperature=c.temperature,
             top_p=c.top_p,
             seed=seed,

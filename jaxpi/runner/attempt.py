@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpi.atomic import write_text
+from jaxpi.runner.events import summarize_events
 from jaxpi.runner.install import PiInstall, find_pi
 from jaxpi.runner.pi_config import LEVELS, PROVIDER, write_pi_home
 from jaxpi.runner.record import AttemptRecord, read_session_summary
@@ -273,18 +274,29 @@ def _run(
         context_window=cfg.context_window + pi.release.context_margin,
         max_tokens=cfg.max_tokens_per_call,
     )
+    sb = _sandbox_config(task, cfg, endpoint, pi)
+    settings = {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "seed": seed,
+        "max_turns": cfg.max_turns or task.limits.max_turns,  # = model calls: Pi makes one per turn
+        "max_tokens": cfg.max_tokens or task.limits.max_tokens,
+        "max_tokens_per_call": cfg.max_tokens_per_call,
+        "wall_seconds": sb.wall_seconds,
+        "context_window": cfg.context_window,
+        "tools": list(cfg.tools) or None,
+    }
     env = {
         "PI_CODING_AGENT_DIR": _HOME,
         "PI_OFFLINE": "1",
         "PI_SKIP_VERSION_CHECK": "1",
         "PI_TELEMETRY": "0",
-        "JAXPI_MAX_TURNS": str(cfg.max_turns or task.limits.max_turns),
-        "JAXPI_MAX_TOKENS": str(cfg.max_tokens or task.limits.max_tokens),
+        "JAXPI_MAX_TURNS": str(settings["max_turns"]),
+        "JAXPI_MAX_TOKENS": str(settings["max_tokens"]),
     }
     for key, v in (("JAXPI_TEMPERATURE", cfg.temperature), ("JAXPI_TOP_P", cfg.top_p), ("JAXPI_SEED", seed)):
         if v is not None:
             env[key] = repr(v)
-    sb = _sandbox_config(task, cfg, endpoint, pi)
     t0 = time.monotonic()
     res = run_sandboxed(
         pi_argv(pi, task, level, cfg.model_id, cfg.tools),
@@ -312,6 +324,9 @@ def _run(
         "events_path": str(out / "events.jsonl"),
         "calls": calls,
         "model_calls": len(calls),
+        "tool_errors": summarize_events(res.stdout.encode("utf-8", "replace")).tool_errors,
+        "pi": f"{pi.release.package}@{pi.version}",
+        "settings": settings,
     }
 
     def reject(

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxpi.runner.events import aborted_before_call
+
 NOT_ADMITTED = (
     "timeout",
     "sandbox_limit",
@@ -54,6 +56,13 @@ class AttemptRecord:
     tool_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     # Model calls: the gateway's records of the attempt when traced, else the session's assistant turns.
     model_calls: int = 0
+    # Of the tool calls, those whose result Pi marked as an error, by tool (from the event stream).
+    tool_errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    pi: str | None = None  # the Pi release that ran the attempt, "<package>@<version>"
+    # What the attempt ran under, resolved (the task's limits where the runner left them to it):
+    # temperature, top_p, seed of the first call, max_turns (= model calls: one per turn),
+    # max_tokens, max_tokens_per_call, wall_seconds, context_window, tools.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.admitted and self.finish not in FINISHES:
@@ -113,7 +122,8 @@ def read_session_summary(path: Path) -> SessionSummary:
             continue
         m = e["message"]
         messages += 1
-        if m.get("role") != "assistant":
+        # Not a turn: the empty one Pi runs after the extension aborts at a limit (no call was made).
+        if m.get("role") != "assistant" or aborted_before_call(m):
             continue
         turns += 1
         usage = m.get("usage") or {}
