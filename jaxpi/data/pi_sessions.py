@@ -91,6 +91,9 @@ COMPACTION_SUFFIX = "\n</summary>"
 BRANCH_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n<summary>\n"
 BRANCH_SUFFIX = "</summary>"
 ATTEMPT_TYPE = "jaxpi.attempt"
+# What pi-ai sends for a tool result without text. (A tool call left without a result, which pi-ai
+# answers with "No result provided", is left as it is: the gates refuse it, call_without_result.)
+NO_OUTPUT = "(no tool output)"
 # A turn cut by the length limit never produced its end-of-turn token; errors, aborts and 1.x's
 # deferred or still-streaming responses are not behaviour.
 _BAD_STOPS = ("error", "aborted", "length", "deferred", "pending")
@@ -210,8 +213,8 @@ def _pi_session(path: Path, lines: list[tuple[int, Any]], faults: list) -> Sessi
     context = _context_entries(path_entries)
     edits = _edits(context, by_id)
     built = _Built()
-    for ln, e in context:
-        built.add(ln, e, edits.get(e.id))
+    for k, (ln, e) in enumerate(context):
+        built.add(ln, e, edits.get(e.id), leading=k == 0)
     if built.effort is not None:
         meta["effort"] = built.effort
     for ln, e in path_entries:
@@ -347,11 +350,16 @@ class _Built:
     effort_line: int = 0
     seen_assistant: bool = False
 
-    def add(self, line: int, e: PiEntry, edit: PiContextEdit | None) -> None:
+    def add(self, line: int, e: PiEntry, edit: PiContextEdit | None, *, leading: bool = False) -> None:
         if isinstance(e, PiCompaction):
-            if e.systemMessage is not None and not self.messages:
-                self._system(_typed(PiSystem, e.systemMessage, line, "systemMessage"), line)
-            self._emit(line, {"role": "user", "content": COMPACTION_PREFIX + e.summary + COMPACTION_SUFFIX})
+            # Only the latest compaction, which leads the context, contributes; an older one kept
+            # in its range (its entry lies after the kept start) gives nothing.
+            if leading:
+                if e.systemMessage is not None:
+                    self._system(_typed(PiSystem, e.systemMessage, line, "systemMessage"), line)
+                self._emit(
+                    line, {"role": "user", "content": COMPACTION_PREFIX + e.summary + COMPACTION_SUFFIX}
+                )
             return
         if edit is not None and edit.replacement is None:
             return  # omitted from the model's context by a context_edit
@@ -359,10 +367,10 @@ class _Built:
             self._system(_typed(PiSystem, e.message, line, "message"), line)
             return
         replaced = None if edit is None else PiReplacement.model_validate(edit.replacement).content
-        if _role(e, line) == "assistant":
-            self._level(_typed(PiAssistant, e.message, line, "message").thinkingLevel, line)
         for m in _pi_entry_messages(line, e, replaced):
-            self.seen_assistant = self.seen_assistant or m["role"] == "assistant"
+            if m["role"] == "assistant":  # a turn pi-ai sends (an empty one is not, nor rendered)
+                self.seen_assistant = True
+                self._level(_typed(PiAssistant, e.message, line, "message").thinkingLevel, line)
             self._emit(line, m)
 
     def _level(self, level: str | None, line: int) -> None:
@@ -421,11 +429,10 @@ class _SidecarError(Exception):
         self.path, self.detail = path, detail
 
 
-def _pi_text(content: Any, line: int, where: str) -> str:
-    """User/custom/toolResult/system content: a string or text blocks (joined by newlines, as
-    pi-ai's `contentText`); images cannot be trained on here."""
+def _texts(content: Any, line: int, where: str) -> list[str]:
+    """The texts of string-or-blocks content; images cannot be trained on here."""
     if isinstance(content, str):
-        return content
+        return [content]
     parts = []
     for i, b in enumerate(content):
         kind = _typed(Block, b, line, f"{where}[{i}]").type
@@ -434,22 +441,31 @@ def _pi_text(content: Any, line: int, where: str) -> str:
         if kind != "text":
             raise _RecordError(line, "bad_field", f"{where}[{i}]: unexpected content block {kind!r}")
         parts.append(_typed(TextBlock, b, line, f"{where}[{i}]").text)
-    return "\n".join(parts)
+    return parts
 
 
-def _user(content: Any, line: int, where: str) -> list[dict]:
-    """A user-side message; pi-ai sends no message for a block list whose texts are all empty."""
-    if not isinstance(content, str) and not _pi_text(content, line, where):
-        return []
-    return [{"role": "user", "content": _pi_text(content, line, where)}]
+def _pi_text(content: Any, line: int, where: str) -> str:
+    """Text blocks joined by newlines (pi-ai's `contentText`): system and tool-result content."""
+    return "\n".join(_texts(content, line, where))
+
+
+def _user(content: Any, line: int, where: str, *, as_string: bool = False) -> list[dict]:
+    """A user-side message as pi-ai sends it: a user's string as is; block content (and custom
+    messages, summaries, `!cmd` runs, which Pi turns into blocks) without its empty texts, joined by
+    newlines as the server joins the parts, and no message at all when nothing is left."""
+    if as_string and isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    texts = [t for t in _texts(content, line, where) if t]
+    return [{"role": "user", "content": "\n".join(texts)}] if texts else []
 
 
 def _pi_entry_messages(line: int, e: PiEntry, replaced: Any = None) -> list[dict]:
-    """The context messages of one entry; `replaced` is a context edit's replacement content."""
+    """The context messages of one entry, as pi-ai's openai-completions provider sends them;
+    `replaced` is a context edit's replacement content."""
     if isinstance(e, PiCustomMessage):
         return _user(e.content if replaced is None else replaced, line, "content")
     if isinstance(e, PiBranchSummary):
-        return [{"role": "user", "content": BRANCH_PREFIX + e.summary + BRANCH_SUFFIX}] if e.summary else []
+        return _user(BRANCH_PREFIX + e.summary + BRANCH_SUFFIX, line, "summary") if e.summary else []
     if not isinstance(e, PiMessageEntry):
         return []  # the entry types of _NO_CONTEXT
     m = e.message
@@ -457,18 +473,15 @@ def _pi_entry_messages(line: int, e: PiEntry, replaced: Any = None) -> list[dict
     if replaced is not None and role in _EDITABLE_ROLES:
         m = {**m, "content": replaced}
     if role == "user":
-        return _user(_typed(PiUser, m, line, "message").content, line, "message.content")
+        return _user(_typed(PiUser, m, line, "message").content, line, "message.content", as_string=True)
     if role == "assistant":
-        return [_pi_assistant(_typed(PiAssistant, m, line, "message"), line)]
+        return _pi_assistant(_typed(PiAssistant, m, line, "message"), line)
     if role == "toolResult":
         r = _typed(PiToolResult, m, line, "message")
+        text = _pi_text(r.content, line, "message.content")
+        # pi-ai sends a placeholder for a result without text (and no `name`: jaxpi's compat)
         return [
-            {
-                "role": "tool",
-                "tool_call_id": r.toolCallId,
-                "name": r.toolName,
-                "content": _pi_text(r.content, line, "message.content"),
-            }
+            {"role": "tool", "tool_call_id": r.toolCallId, "content": text if text.strip() else NO_OUTPUT}
         ]
     if role == "bashExecution":
         # `!cmd` runs by the user reach the model as a user message (Pi's bashExecutionToText).
@@ -482,15 +495,24 @@ def _pi_entry_messages(line: int, e: PiEntry, replaced: Any = None) -> list[dict
             text += f"\n\nCommand exited with code {b.exitCode}"
         if b.truncated and b.fullOutputPath:
             text += f"\n\n[Output truncated. Full output: {b.fullOutputPath}]"
-        return [{"role": "user", "content": text}]
+        return _user(text, line, "message")
     if role in ("custom", "branchSummary", "compactionSummary"):
         s = _typed(PiSummaryMessage, m, line, "message")
-        content = s.content if s.content is not None else (s.summary or "")
-        return _user(content, line, "message.content")
+        if role == "custom":
+            return _user(s.content if s.content is not None else "", line, "message.content")
+        prefix, suffix = (
+            (BRANCH_PREFIX, BRANCH_SUFFIX)
+            if role == "branchSummary"
+            else (COMPACTION_PREFIX, COMPACTION_SUFFIX)
+        )
+        return _user(prefix + (s.summary or "") + suffix, line, "message.summary")
     raise _RecordError(line, "bad_field", f"message.role: unknown message role {role!r}")
 
 
-def _pi_assistant(m: PiAssistant, line: int) -> dict:
+def _pi_assistant(m: PiAssistant, line: int) -> list[dict]:
+    """One assistant turn as pi-ai sends it back: texts that are not blank joined as they are,
+    reasoning from the thinking blocks that are not blank joined by newlines, the tool calls; a
+    turn with neither text nor tool calls is not sent at all (so not trained on either)."""
     if m.stopReason in _BAD_STOPS:
         raise _RecordError(line, "assistant_error", f"assistant turn stopped with {m.stopReason!r}")
     thinking, text, calls = [], [], []
@@ -510,10 +532,13 @@ def _pi_assistant(m: PiAssistant, line: int) -> dict:
             raise _RecordError(line, "image_content", "image blocks are not supported")
         else:
             raise _RecordError(line, "bad_field", f"{where}: unexpected assistant block {t!r}")
-    out: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(x for x in text if x)}
-    reasoning = "\n\n".join(x for x in thinking if x)
+    content = "".join(x for x in text if x.strip())
+    if not content and not calls:
+        return []
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    reasoning = "\n".join(x for x in thinking if x.strip())
     if reasoning:
         out["reasoning_content"] = reasoning
     if calls:
         out["tool_calls"] = calls
-    return out
+    return [out]
