@@ -180,12 +180,111 @@ def test_decode(capsys, reports):
     rep = _run(capsys, "decode", *COMMON, "--batches", "1,2", "--new-tokens", "4", "--prompt-len", "3")
     reports["decode"] = rep
     d = rep["results"]["decode"]
-    assert set(d["batches"]) == {"1", "2"}
+    assert set(d["batches"]) == {"1", "2"} and d["vs"] == "none"
+    _check_figure(d["bandwidth"]["bytes_per_s"], repeats=3)
     for b, v in d["batches"].items():
-        assert v["generated_tokens"] == 4 * int(b)
-        _check_figure(v["call_s"])
-        _check_figure(v["tokens_per_s"])
-        assert v["tokens_per_s"]["max"] == pytest.approx(v["generated_tokens"] / v["call_s"]["min"])
+        j = v["jaxpi"]
+        assert j["generated_tokens"] == 4 * int(b) and "vllm" not in v
+        for fig in (
+            j["call_s"],
+            j["tokens_per_s"],
+            j["steps_per_s"],
+            j["bandwidth_fraction"],
+            v["bandwidth_adjacent"],
+        ):
+            _check_figure(fig)
+        assert j["tokens_per_s"]["max"] == pytest.approx(j["generated_tokens"] / j["call_s"]["min"])
+        # fraction of each repeat = bytes per step x that repeat's steps/s / the probe run just before it
+        total = v["bytes_per_step"]["total"]
+        for f, s, bw in zip(
+            j["bandwidth_fraction"]["values"],
+            j["call_s"]["values"],
+            v["bandwidth_adjacent"]["values"],
+            strict=True,
+        ):
+            assert f == pytest.approx(total * (4 / s) / bw)
+        assert 0 < j["bandwidth_fraction"]["median"] < 1
+    assert rep["env"]["cpu_model"] is None or isinstance(rep["env"]["cpu_model"], str)
+
+
+def test_step_bytes_count_weights_once_and_the_cache_rows():
+    """Against a hand count on TWO (one DeltaNet, one attention layer; fp32): every weight but the
+    embedding table, one embedding row per row, the attention cache's read positions plus one
+    written, the DeltaNet conv window and state read and written whole."""
+    from jaxpi.bench.decode import step_bytes
+    from jaxpi.hf_fixtures import random_jax_model
+
+    model = random_jax_model(TWO, 0, "float32")
+    b, ctx = 3, 10.5
+    got = step_bytes(model, batch=b, context=ctx, max_len=40)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert got["weights"] == 4 * (params - 512 * 64)
+    assert got["embedding_rows"] == 4 * b * 64
+    kv_position = 2 * b * 2 * 32 * 4  # k and v, 2 kv heads of 32, fp32
+    assert got["kv_read"] == kv_position * ctx and got["kv_write"] == kv_position
+    conv = b * 3 * (2 * 2 * 16 + 6 * 16) * 4  # 3 past taps of q, k (2 heads of 16) and v (6 heads)
+    state = b * 6 * 16 * 16 * 4  # float32 [B, Hv, Dk, Dv]
+    assert got["recurrent_state_read_write"] == 2 * (conv + state)
+    assert got["total"] == pytest.approx(sum(v for k, v in got.items() if k != "total"))
+    # tied embeddings: the LM head reads the whole table, so it counts as a weight
+    tied = random_jax_model(TWO.replace(tie_word_embeddings=True), 0, "float32")
+    t = step_bytes(tied, batch=b, context=ctx, max_len=40)
+    assert t["embedding_rows"] == 0 and t["weights"] == 4 * sum(
+        x.size for x in jax.tree.leaves(nnx.state(tied, nnx.Param))
+    )
+
+
+def test_bandwidth_probe_and_greedy_agreement():
+    from jaxpi.bench.bandwidth import bandwidth_probe, copy_bandwidth
+    from jaxpi.bench.decode import greedy_agreement
+
+    probe = bandwidth_probe(1 << 20)
+    assert 1e8 < probe() < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s
+    c = copy_bandwidth(1 << 20, repeats=2)
+    assert c["bytes_per_call"] == 2 * (1 << 20)
+    _check_figure(c["bytes_per_s"])
+    with pytest.raises(ValueError, match="at least 4096"):
+        bandwidth_probe(64)
+    g = greedy_agreement([[1, 2, 3], [4, 5, 6], [7]], [[1, 2, 3], [4, 9, 6], [8]])
+    assert g == {
+        "rows": 3,
+        "rows_identical": 1,
+        "mean_common_prefix": pytest.approx(4 / 3),
+        "min_common_prefix": 0,
+    }
+
+
+def test_decode_profile_sums_the_loop_by_model_part(capsys, tmp_path):
+    rep = _run(
+        capsys,
+        "profile",
+        "--mode",
+        "decode",
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--new-tokens",
+        "4",
+        "--steps",
+        "1",
+        "--trace-dir",
+        str(tmp_path),
+        "--json",
+    )
+    p = rep["results"]["profile"]
+    assert p["mode"] == "decode" and p["steps"] == 4 and p["batch"] == 2
+    assert (tmp_path / "decode.hlo.txt").exists()
+    # the decode program's ops, in the loop's parts; the matrix-vector dots XLA makes without
+    # metadata too, so little is left unmatched but the spans of the nested loops (the sampler's)
+    parts = {"mlp", "deltanet: recurrent step", "sampling (log-softmax, argmax / draw)"}
+    assert parts | {"LM head (and the engine's copy of its logits)"} <= set(p["parts"])
+    ops = [u for u in p["top_unmatched"] if not u["name"].startswith(("while", "call", "conditional"))]
+    assert sum(u["s"] for u in ops) < 0.1 * p["op_seconds_per_step"]
+    assert sum(v["share"] for v in p["parts"].values()) == pytest.approx(1.0)
+    assert 0 < p["busy_seconds_per_step"] <= p["wall_seconds_per_step"]
+    assert p["bytes_per_step"]["total"] > p["bytes_per_step"]["weights"] > 0
+    assert "decode loop at batch 2" in format_table(rep)
 
 
 def test_compile(capsys, reports):
@@ -213,6 +312,7 @@ def test_human_table_names_every_figure(reports):
         "per back-to-back pair",
         "fwd+bwd",
         "batch   2",
+        "% of the bandwidth limit",
         "2 / 1 layers",
     ):
         assert needle in text, needle

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpi import cli
+from jaxpi.bench.config import DecodeRunConfig
 from jaxpi.convert.hf import load_hf
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rl.loss import sequence_logprobs
@@ -25,7 +27,7 @@ from jaxpi.rollout.engine import RolloutEngine, SamplingParams
 from jaxpi.testing.xla import child_env
 from jaxpi.vllm.engine import EngineError, VLLMEngine, VLLMEngineConfig, parse_completion
 from jaxpi.vllm.fixtures import make_vllm_checkpoint
-from jaxpi.vllm.server import VLLMServer
+from jaxpi.vllm.server import ServerConfig, VLLMServer, server_command
 from jaxpi.vllm.setup import STAMP_NAME, VenvSpec, is_ready
 from jaxpi.vllm.sync import PROBE_TOL, AdapterProbeError, AdapterSync, judge_probe, stale
 
@@ -213,6 +215,41 @@ def test_adapter_push_probe_and_mis_prefixed_adapter(engine, policy, model_dir, 
     assert engine.model == "policy-v1", "a failed probe must not switch the engine to the bad adapter"
     sync.unload(2, quiet=True)
     engine.set_policy("base", 0)
+
+
+def test_bench_decode_against_vllm(server, model_dir, capsys):
+    """`jaxpi bench decode --vs vllm` on the module's server and checkpoint: both engines decode
+    the same prompts, their repeats interleaved, and every figure is there and consistent."""
+    argv = ["bench", "decode", "--dtype", "bfloat16", "--vs", "vllm", "--checkpoint", str(model_dir)]
+    argv += ["--vllm-url", server.url, "--batches", "1,3", "--new-tokens", "6", "--prompt-len", "3"]
+    assert cli.main([*argv, "--repeats", "2", "--warmup", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["results"]["decode"]
+    assert d["vs"] == "vllm" and d["checkpoint"] == str(model_dir) and d["vllm"]["started_here"] is False
+    assert d["model"]["num_hidden_layers"] == 4 and d["model"]["dtype"] == "bfloat16"
+    for b, v in d["batches"].items():
+        for name in ("jaxpi", "vllm"):
+            e = v[name]
+            assert e["generated_tokens"] == 6 * int(b)
+            for fig in (e["call_s"], e["tokens_per_s"], e["bandwidth_fraction"]):
+                assert fig["repeats"] == 2 and 0 < fig["min"] <= fig["median"] <= fig["max"]
+        j, w = v["jaxpi"]["call_s"]["values"], v["vllm"]["call_s"]["values"]
+        assert v["speedup_pairs"]["values"] == pytest.approx([a / b for a, b in zip(w, j, strict=True)])
+        assert v["speedup_tokens_per_s"] == pytest.approx(
+            v["jaxpi"]["tokens_per_s"]["median"] / v["vllm"]["tokens_per_s"]["median"]
+        )
+        # the same checkpoint and prompts: greedy tokens agree at least at the first position of a row
+        g = v["greedy_agreement"]
+        assert g["rows"] == int(b) and g["mean_common_prefix"] >= 1
+    with pytest.raises(ValueError, match="bfloat16"):
+        DecodeRunConfig(vs="vllm", dtype="float32")
+
+
+def test_server_command_without_lora(model_dir):
+    on = server_command(ServerConfig(model=str(model_dir)), "python", 8000, "cpu")
+    off = server_command(ServerConfig(model=str(model_dir), enable_lora=False), "python", 8000, "cpu")
+    assert "--enable-lora" in on and "--max-lora-rank" in on and "--max-loras" in on
+    assert not {"--enable-lora", "--max-lora-rank", "--max-loras"} & set(off)
+    assert [a for a in on if a not in off] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
 
 
 def test_probe_verdicts_and_staleness_are_pure_functions():

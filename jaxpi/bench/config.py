@@ -181,8 +181,9 @@ def make_config(
 
 
 # ---- what `jaxpi bench SUBCOMMAND` is asked ------------------------------------------------------
-VS = ("torch", "none")
+VS = ("torch", "none", "vllm")  # vllm: decode only
 KERNELS = ("jax", "pallas")
+PROFILE_MODES = ("train", "decode")
 
 
 def _ints(name: str, text: str) -> list[str]:
@@ -231,6 +232,8 @@ class BenchRunConfig:
             errors.append(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.vs is not None and self.vs not in VS:
             errors.append(f"vs must be one of {VS}, got {self.vs!r}")
+        if self.vs == "vllm" and not isinstance(self, DecodeRunConfig):
+            errors.append("vs vllm applies to the decode benchmark only")
         errors += self._errors()
         if errors:
             raise ValueError("; ".join(errors))
@@ -285,6 +288,11 @@ class DecodeRunConfig(BenchRunConfig):
     batches: str = "1,16"  # decode batch sizes, comma-separated
     new_tokens: int | None = None  # tokens decoded per request; None: 16 (tiny), 64 (mid)
     prompt_len: int = 8
+    # a HF checkpoint to decode instead of random bench weights (with vs vllm: None writes a random
+    # bf16 checkpoint of the bench model, which both engines load)
+    checkpoint: str | None = None
+    # with vs vllm: a running vLLM server that serves `checkpoint`; None starts one on it
+    vllm_url: str | None = None
 
     def _errors(self) -> list[str]:
         errors = _ints("batches", self.batches)
@@ -292,6 +300,10 @@ class DecodeRunConfig(BenchRunConfig):
             errors.append(f"new_tokens must be >= 1, got {self.new_tokens}")
         if self.prompt_len < 1:
             errors.append(f"prompt_len must be >= 1, got {self.prompt_len}")
+        if self.vs == "vllm" and self.dtype != "bfloat16":
+            errors.append("vs vllm needs dtype bfloat16 (vLLM's CPU backend runs bf16 only)")
+        if self.vllm_url is not None and (self.vs != "vllm" or self.checkpoint is None):
+            errors.append("vllm_url needs vs vllm and the checkpoint that server serves")
         return errors
 
 
@@ -326,11 +338,22 @@ class AllRunConfig(DecodeRunConfig, GdnRunConfig):
 class ProfileRunConfig(BenchRunConfig):
     """`jaxpi bench profile`: the jaxpi train step traced, op time summed by model part."""
 
-    steps: int = 2  # traced steps (after the warm-up)
+    steps: int = 2  # traced steps, or traced `generate` calls with mode decode (after the warm-up)
     trace_dir: str | None = None  # keep the trace here; None: a temporary directory
+    # train: the LoRA train step; decode: the engine's decode loop (`batch` rows, greedy)
+    mode: str = "train"
+    new_tokens: int | None = None  # mode decode: tokens per row; None: 16 (tiny), 64 (mid)
+    prompt_len: int = 8  # mode decode
 
     def _errors(self) -> list[str]:
-        return [] if self.steps >= 1 else [f"steps must be >= 1, got {self.steps}"]
+        errors = [] if self.steps >= 1 else [f"steps must be >= 1, got {self.steps}"]
+        if self.mode not in PROFILE_MODES:
+            errors.append(f"mode must be one of {PROFILE_MODES}, got {self.mode!r}")
+        if self.new_tokens is not None and self.new_tokens < 1:
+            errors.append(f"new_tokens must be >= 1, got {self.new_tokens}")
+        if self.prompt_len < 1:
+            errors.append(f"prompt_len must be >= 1, got {self.prompt_len}")
+        return errors
 
 
 @dataclasses.dataclass(frozen=True)

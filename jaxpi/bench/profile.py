@@ -21,12 +21,17 @@ import json
 import math
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxpi.bench.config import BenchConfig
+from jaxpi.bench.decode import random_model, step_bytes
+from jaxpi.rollout.engine import SamplingParams
+from jaxpi.rollout.jax_engine import JaxEngine
 
 # (part, substrings of op_name that put an op there), first match wins: the innermost scopes first.
 # "scan carry" collects the layer-group scan's own slicing and stacking (outside any layer scope).
@@ -47,8 +52,29 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def part_of(op_name: str) -> str:
-    for part, keys in PARTS:
+# One iteration of the engine's decode loop (`jaxpi.rollout.jax_engine`): the model's scopes under
+# the loop body, and the engine's own (`sample`, `select_rows`). Ops XLA hoisted out of the loop
+# (e.g. a weight conversion) keep the loop's op_name and run once per call: summed per step they
+# are that call's cost spread over its steps.
+DECODE_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sampling (log-softmax, argmax / draw)", ("/sample",)),
+    ("cache rows kept by the active mask (select_rows)", ("select_rows",)),
+    ("deltanet: recurrent step", ("delta_rule",)),
+    ("deltanet: in-proj + conv", ("/conv",)),
+    ("deltanet: gates (b, a)", ("/gates",)),
+    ("deltanet: z, out-proj, gated norm", ("/mixer/out/",)),
+    ("attention: cache write", ("cache_update",)),
+    ("attention: scores, softmax, P·V", ("/scores", "/mask", "softmax", "bkgtu,bukd")),
+    ("attention: q/k/v projections, norms, rope", ("/qkv",)),
+    ("mlp", ("/mlp",)),
+    ("mixer, other (o_proj, residual, norms)", ("/mixer",)),
+    ("LM head (and the engine's copy of its logits)", ("btd,dv->btv", "next_logits")),
+    ("layer-group slicing", ("dynamic_slice", "dynamic_update_slice", "layer_groups")),
+)
+
+
+def part_of(op_name: str, parts: tuple[tuple[str, tuple[str, ...]], ...] = PARTS) -> str:
+    for part, keys in parts:
         if any(k in op_name for k in keys):
             return part
     return "other"
@@ -57,13 +83,19 @@ def part_of(op_name: str) -> str:
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*?)metadata=\{[^}]*op_name=\"([^\"]*)\"", re.M)
 # Control flow: their trace events span their bodies' ops, which are traced too.
 _CONTAINER = re.compile(r"\s(while|call|conditional)\(")
+_INSTR_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
 # JAX wraps scopes in the transform that produced the op: "transpose(jvp(mixer))/delta_rule".
 _WRAP = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint)\(")
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> the JAX op_name in its metadata, transform wrappers removed and
-    "bwd:" prefixed where the op belongs to the backward pass (control-flow ops left out)."""
+    "bwd:" prefixed where the op belongs to the backward pass (control-flow ops left out).
+
+    An instruction XLA made without metadata (on the CPU, the matrix-vector `dot` it splits out of
+    a `dot_general`) takes the op_name of a neighbour: the first of its users, then of its
+    operands, that is the same product's (a `dot_general` op_name: the reshapes of its activation
+    and result), else its first named user, else its first named operand."""
     out = {}
     for m in _INSTR.finditer(hlo_text):
         if _CONTAINER.search(m.group(2)):
@@ -71,6 +103,19 @@ def op_names(hlo_text: str) -> dict[str, str]:
         raw = m.group(3)
         clean = "/" + _WRAP.sub("", raw.split("/", 1)[-1]).replace(")", "")
         out[m.group(1)] = ("bwd:" if "transpose(" in raw else "fwd:") + clean
+    bare, users, operands = [], collections.defaultdict(list), {}
+    for m in _INSTR_LINE.finditer(hlo_text):
+        name, rest = m.group(1), m.group(2)
+        operands[name] = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        for operand in operands[name]:
+            users[operand].append(name)
+        if name not in out and "metadata=" not in rest and not _CONTAINER.search(rest):
+            bare.append(name)
+    for name in bare:
+        near = [out[n] for n in (*users[name], *operands[name]) if n in out]
+        product = [n for n in near if n.endswith("dot_general")]
+        if product or near:
+            out[name] = (product or near)[0]
     return out
 
 
@@ -99,9 +144,6 @@ def hlo_op_of(event: dict[str, Any], names: dict[str, str]) -> str | None:
         return event["name"]
     op = event.get("args", {}).get("hlo_op")
     return op if op in names else None
-
-
-_INSTR_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=([^\n]*)", re.M)
 
 
 # the kinds `_op_kind` gives a matmul: a cuBLAS call or Triton gemm fusion (GPU), a dot or a
@@ -156,9 +198,14 @@ def busy_seconds(events: list[dict[str, Any]]) -> float:
     return busy * 1e-6
 
 
-def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -> dict[str, Any]:
-    """Seconds per step by model part and the top ops, from complete ("X") trace events that name
-    an HLO instruction of the step."""
+def summarize(
+    events: list[dict[str, Any]],
+    names: dict[str, str],
+    steps: int,
+    parts: tuple[tuple[str, tuple[str, ...]], ...] = PARTS,
+) -> dict[str, Any]:
+    """Seconds per step by model part (`parts`) and the top ops, from complete ("X") trace events
+    that name an HLO instruction of the step."""
     per_part: dict[str, float] = collections.defaultdict(float)
     per_op: dict[str, float] = collections.defaultdict(float)
     per_pass: dict[str, float] = collections.defaultdict(float)
@@ -169,7 +216,7 @@ def summarize(events: list[dict[str, Any]], names: dict[str, str], steps: int) -
             unmatched[e["name"]] += e["dur"] * 1e-6 / steps
             continue
         sec = e["dur"] * 1e-6 / steps
-        per_part[part_of(names[name])] += sec
+        per_part[part_of(names[name], parts)] += sec
         per_op[name] += sec
         per_pass[names[name][:3]] += sec
     total = sum(per_part.values())
@@ -215,4 +262,49 @@ def profile_train_step(
     res = summarize(trace_events(out_dir), op_names(hlo), steps)
     res["trace_dir"] = str(out_dir)
     res["steps"] = steps
+    return res
+
+
+def module_events(events: list[dict[str, Any]], module: str) -> list[dict[str, Any]]:
+    """The events of one compiled program (XLA:CPU tags each op's event with its `hlo_module`)."""
+    return [e for e in events if e.get("args", {}).get("hlo_module") == module]
+
+
+def profile_decode(
+    bench: BenchConfig,
+    *,
+    calls: int = 1,
+    new_tokens: int = 64,
+    prompt_len: int = 8,
+    trace_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Trace `calls` greedy `generate` calls of the engine on the bench model (`bench.batch` rows,
+    random prompts of `prompt_len`, `new_tokens` each) after a warm-up, and sum the decode
+    program's op time per loop iteration by model part (`DECODE_PARTS`)."""
+    model = random_model(bench)
+    max_len = prompt_len + new_tokens + 1
+    engine = JaxEngine(model, max_len=max_len, batch_size=bench.batch)
+    prompts = np.random.default_rng(bench.seed).integers(0, model.cfg.vocab_size, (bench.batch, prompt_len))
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    for _ in range(bench.warmup):
+        engine.generate(prompts.tolist(), params)
+    out_dir = Path(trace_dir or tempfile.mkdtemp(prefix="jaxpi-trace-"))
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            engine.generate(prompts.tolist(), params)
+        wall = time.perf_counter() - t0
+    hlo = engine.decode_hlo(params)
+    (out_dir / "decode.hlo.txt").write_text(hlo)
+    steps = calls * new_tokens  # no stop tokens: every row runs its whole budget, one token per iteration
+    events = module_events(trace_events(out_dir), "jit_decode")
+    res = summarize(events, op_names(hlo), steps, DECODE_PARTS)
+    res["by_op_kind"] = seconds_by_op_kind(events, hlo, steps)
+    res["busy_seconds_per_step"] = busy_seconds(events) / steps
+    res["wall_seconds_per_step"] = wall / steps  # the whole generate: prefill and host work included
+    res["bytes_per_step"] = step_bytes(
+        model, batch=bench.batch, context=prompt_len + (new_tokens - 1) / 2, max_len=max_len
+    )
+    res.update(mode="decode", batch=bench.batch, new_tokens=new_tokens, calls=calls, steps=steps)
+    res["trace_dir"] = str(out_dir)
     return res

@@ -41,6 +41,7 @@ def environment(bench: BenchConfig, with_torch: bool) -> dict[str, Any]:
         "flax": flax.__version__,
         "threads": bench.threads,
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if with_torch:
@@ -48,6 +49,18 @@ def environment(bench: BenchConfig, with_torch: bool) -> dict[str, Any]:
 
         env.update(torch_versions())
     return env
+
+
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux: /proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
@@ -118,7 +131,7 @@ def run_train_step(bench: BenchConfig, *, vs_torch: bool) -> dict[str, Any]:
 def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
     """The report of one `jaxpi bench` subcommand."""
     vs = args.vs if args.vs is not None else ("none" if command == "train-step" else "torch")
-    vs_torch = vs == "torch"
+    vs_torch = vs == "torch" and command != "decode"
     report: dict[str, Any] = {
         "command": command,
         "env": environment(bench, vs_torch),
@@ -139,7 +152,14 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
         new = args.new_tokens or NEW_TOKENS.get(bench.preset, 64)
         say("decode")
         results["decode"] = decode_bench(
-            bench, batches=parse_ints(args.batches), new_tokens=new, prompt_len=args.prompt_len
+            bench,
+            batches=parse_ints(args.batches),
+            new_tokens=new,
+            prompt_len=args.prompt_len,
+            vs="vllm" if vs == "vllm" else "none",
+            checkpoint=args.checkpoint,
+            vllm_url=args.vllm_url,
+            progress=say,
         )
     if command in ("compile", "all"):
         from jaxpi.bench.compile import compile_bench
@@ -147,7 +167,15 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
         depths = args.layers if command == "compile" else args.compile_layers
         say("compile time")
         results["compile"] = compile_bench(bench, parse_ints(depths))
-    if command == "profile":
+    if command == "profile" and args.mode == "decode":
+        from jaxpi.bench.profile import profile_decode
+
+        say(f"profiling the engine's decode loop at batch {bench.batch}")
+        new = args.new_tokens or NEW_TOKENS.get(bench.preset, 64)
+        results["profile"] = profile_decode(
+            bench, calls=args.steps, new_tokens=new, prompt_len=args.prompt_len, trace_dir=args.trace_dir
+        )
+    elif command == "profile":
         from jaxpi.bench.profile import profile_train_step
 
         say("profiling the jaxpi train step")

@@ -84,12 +84,32 @@ def format_table(report: dict[str, Any]) -> str:
             ]
     if "decode" in res:
         d = res["decode"]
+        bw = d["bandwidth"]["bytes_per_s"]
         lines += [
             "",
-            f"decode (JaxEngine, greedy, {d['prompt_len']}-token prompts, {d['new_tokens']} new tokens)",
+            f"decode (greedy, {d['prompt_len']}-token prompts, {d['new_tokens']} new tokens, {d['model']['dtype']}"
+            + (f", checkpoint {d['checkpoint']}" if d.get("checkpoint") else "")
+            + f")   copy bandwidth {_f(bw, 1e-9)} GB/s",
         ]
         for b, v in d["batches"].items():
-            lines.append(f"  batch {b:>3}   {_f(v['tokens_per_s'])} tokens/s   call {_f(v['call_s'])} s")
+            for name in ("jaxpi", "vllm"):
+                if name in v:
+                    e = v[name]
+                    lines.append(
+                        f"  batch {b:>3}  {name:<5}  {_f(e['tokens_per_s'])} tokens/s   call {_f(e['call_s'])} s   "
+                        f"{_f(e['bandwidth_fraction'], 100, '{:.1f}')} % of the bandwidth limit"
+                    )
+            lines.append(
+                f"             {v['bytes_per_step']['total'] / 1e6:.1f} MB per step, bandwidth next to each "
+                f"repeat {_f(v['bandwidth_adjacent'], 1e-9)} GB/s"
+            )
+            if "speedup_tokens_per_s" in v:
+                g = v["greedy_agreement"]
+                lines.append(
+                    f"             jaxpi / vLLM tokens/s {v['speedup_tokens_per_s']:.2f}× (medians), per pair "
+                    f"{_f(v['speedup_pairs'], 1, '{:.2f}')}×   greedy rows identical {g['rows_identical']}/{g['rows']}, "
+                    f"mean common prefix {g['mean_common_prefix']:.1f}"
+                )
     if "compile" in res:
         c = res["compile"]
         lines += ["", "compile (LoRA train step, trace + lower + compile)"]
@@ -109,13 +129,22 @@ def format_table(report: dict[str, Any]) -> str:
         )
     if "profile" in res:
         pr = res["profile"]
-        lines += [
-            "",
-            f"profile (jaxpi train step, op time per step {pr['op_seconds_per_step']:.3g} s; trace {pr['trace_dir']})",
-        ]
+        what = (
+            f"decode loop at batch {pr['batch']}, per iteration"
+            if pr.get("mode") == "decode"
+            else "jaxpi train step"
+        )
+        lines += ["", f"profile ({what}: op time {pr['op_seconds_per_step']:.3g} s; trace {pr['trace_dir']})"]
+        if pr.get("mode") == "decode":
+            lines.append(
+                f"  wall {pr['wall_seconds_per_step'] * 1e3:.2f} ms per token (the whole generate), ops busy "
+                f"{pr['busy_seconds_per_step'] * 1e3:.2f} ms, {pr['bytes_per_step']['total'] / 1e6:.1f} MB to move"
+            )
+        # a decode iteration takes milliseconds, a train step seconds
+        scale, unit = (1e3, "ms") if pr.get("mode") == "decode" else (1.0, "s")
         for part, v in pr["parts"].items():
-            lines.append(f"  {100 * v['share']:5.1f} %  {v['s']:8.4f} s  {part}")
+            lines.append(f"  {100 * v['share']:5.1f} %  {v['s'] * scale:8.4f} {unit:<2}  {part}")
         lines.append("  top ops:")
         for op in pr["top_ops"][:12]:
-            lines.append(f"    {op['s']:8.4f} s  {op['op']:<28} {op['op_name'][-90:]}")
+            lines.append(f"    {op['s'] * scale:8.4f} {unit:<2}  {op['op']:<28} {op['op_name'][-90:]}")
     return "\n".join(lines)

@@ -5,9 +5,11 @@
                            [--threads N] [--vs torch] [--json] [--out FILE]
     jaxpi bench gdn        [same model flags] [--vs torch|none]
     jaxpi bench decode     [same model flags] [--batches 1,16] [--new-tokens N] [--prompt-len N]
+                           [--vs vllm [--checkpoint DIR] [--vllm-url URL]]
     jaxpi bench compile    [same model flags] --layers 8,16,64
     jaxpi bench all        [same model flags] [--compile-layers 8,16,64] [--vs torch|none]
     jaxpi bench profile    [same model flags] [--steps 2] [--trace-dir DIR]
+                           [--mode decode [--batch N] [--new-tokens N] [--prompt-len N]]
     jaxpi bench gpu        --out FILE [--seq N] [--steps N] [--remat P] [--loss-chunk N] [--skip ...]
                            (the 27B-shaped run on one accelerator; its own flags, see its --help)
 
@@ -30,7 +32,7 @@ from typing import Any
 from jaxpi.atomic import write_text
 from jaxpi.bench import gpu_flags
 from jaxpi.bench import serve as serve_bench
-from jaxpi.bench.config import DTYPES, KERNELS, PRESETS, RUN_CONFIGS, VS, BenchRunConfig
+from jaxpi.bench.config import DTYPES, KERNELS, PRESETS, PROFILE_MODES, RUN_CONFIGS, VS, BenchRunConfig
 from jaxpi.bench.run import run
 from jaxpi.bench.table import format_table
 from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
@@ -65,7 +67,13 @@ def _model_flags(*, depth_list: bool) -> tuple[Flag, ...]:
         Flag("--threads", "threads", "CPU threads for XLA and torch (default: all this process may use)"),
         Flag("--peak-n", "peak_n", "side of the matmul-peak square"),
         Flag("--seed", "seed"),
-        Flag("--vs", "vs", "also run transformers' version", choices=list(VS)),
+        Flag(
+            "--vs",
+            "vs",
+            "also run transformers' version (torch), or, for decode, vLLM's engine on the same "
+            "bf16 checkpoint (vllm)",
+            choices=list(VS),
+        ),
     )
 
 
@@ -73,6 +81,20 @@ DECODE_FLAGS = (
     Flag("--batches", "batches", "decode batch sizes, comma-separated"),
     Flag("--new-tokens", "new_tokens", "default: 16 (tiny), 64 (mid)", convert=or_none),
     Flag("--prompt-len", "prompt_len"),
+    Flag("--checkpoint", "checkpoint", "a HF checkpoint to decode (default: random bench weights)"),
+    Flag("--vllm-url", "vllm_url", "with --vs vllm: a running server that serves --checkpoint"),
+)
+PROFILE_FLAGS = (
+    Flag("--steps", "steps", "traced steps (mode decode: traced generate calls), after the warm-up"),
+    Flag("--trace-dir", "trace_dir", "keep the trace here (default: a temp dir)"),
+    Flag(
+        "--mode",
+        "mode",
+        "train (the LoRA step) or decode (the engine's decode loop)",
+        choices=list(PROFILE_MODES),
+    ),
+    Flag("--new-tokens", "new_tokens", "mode decode: default 16 (tiny), 64 (mid)", convert=or_none),
+    Flag("--prompt-len", "prompt_len", "mode decode"),
 )
 GDN_FLAGS = (
     Flag(
@@ -87,10 +109,10 @@ GDN_FLAGS = (
 SUBCOMMANDS = {
     "train-step": "the LoRA SFT step: tokens/s, FLOP/s, MFU against the measured matmul peak",
     "gdn": "the chunked gated delta rule alone, fwd and fwd+bwd, against transformers' torch function",
-    "decode": "the embedded engine's decode tokens/s at several batch sizes",
+    "decode": "the embedded engine's decode tokens/s and bandwidth fraction at several batch sizes (--vs vllm)",
     "compile": "compile time of the train step at several depths",
     "all": "every benchmark above in one run",
-    "profile": "trace the jaxpi train step and sum op time by model part (jax.profiler)",
+    "profile": "trace the jaxpi train step (or the decode loop) and sum op time by model part (jax.profiler)",
 }
 OUT_FLAG = Flag("--out", "out", "also write the JSON report to this file")
 # Every sub-benchmark's config: its class and flags; the model benchmarks share configs/bench/.
@@ -103,14 +125,7 @@ SPECS = {
             *(DECODE_FLAGS if name in ("decode", "all") else ()),
             *(GDN_FLAGS if name in ("gdn", "all") else ()),
             *((Flag("--compile-layers", "compile_layers"),) if name == "all" else ()),
-            *(
-                (
-                    Flag("--steps", "steps", "traced steps (after the warm-up)"),
-                    Flag("--trace-dir", "trace_dir", "keep the trace here (default: a temp dir)"),
-                )
-                if name == "profile"
-                else ()
-            ),
+            *(PROFILE_FLAGS if name == "profile" else ()),
             OUT_FLAG,
         ),
     )

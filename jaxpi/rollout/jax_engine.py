@@ -55,10 +55,11 @@ def select_rows(mask: jax.Array, new: dict, old: dict) -> dict:
 
         return pick
 
-    out = {"lengths": jnp.where(mask, new["lengths"], old["lengths"])}
-    if "groups" in old:
-        out["groups"] = jax.tree.map(on_axis(1), new["groups"], old["groups"])
-    out["tail"] = jax.tree.map(on_axis(0), new["tail"], old["tail"])
+    with jax.named_scope("select_rows"):
+        out = {"lengths": jnp.where(mask, new["lengths"], old["lengths"])}
+        if "groups" in old:
+            out["groups"] = jax.tree.map(on_axis(1), new["groups"], old["groups"])
+        out["tail"] = jax.tree.map(on_axis(0), new["tail"], old["tail"])
     return out
 
 
@@ -149,8 +150,9 @@ class JaxEngine:
                 i, cache, last, done, toks, raw, proc, n_out, stopped = c
                 live = ~done
                 # Key per (row, position in the session): independent of batch layout and turn.
-                keys = jax.vmap(jax.random.fold_in)(row_keys, cache["lengths"])
-                tok, tok_raw, tok_proc = sample_tokens(keys, last, temperature, top_p)
+                with jax.named_scope("sample"):
+                    keys = jax.vmap(jax.random.fold_in)(row_keys, cache["lengths"])
+                    tok, tok_raw, tok_proc = sample_tokens(keys, last, temperature, top_p)
                 toks, raw, proc = (
                     toks.at[:, i].set(tok),
                     raw.at[:, i].set(tok_raw),
@@ -161,7 +163,8 @@ class JaxEngine:
                 # Every emitted token enters the cache, so the next turn continues after it.
                 logits, new = forward(state, tok[:, None], cache)
                 cache = select_rows(live, new, cache)
-                last = jnp.where(live[:, None], logits[:, 0].astype(logit_dtype), last)
+                with jax.named_scope("next_logits"):
+                    last = jnp.where(live[:, None], logits[:, 0].astype(logit_dtype), last)
                 done = done | hit | (n_out >= budget)
                 return i + 1, cache, last, done, toks, raw, proc, n_out, stopped | hit
 
@@ -297,11 +300,9 @@ class JaxEngine:
         for live, row in zip(lives, row_ids, strict=False):
             budget[live.slot] = min(params.max_new_tokens, self.max_len - live.length)
             keys[live.slot] = row
-        stops = np.full(-(-max(len(params.stop_token_ids), 1) // 8) * 8, -1, np.int32)
-        stops[: len(params.stop_token_ids)] = params.stop_token_ids
-        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(params.seed), jnp.asarray(keys))
         n_cap = _bucket(min(params.max_new_tokens, self.max_len))
         steps = n_cap if on_tokens is None else max(1, min(int(interval), n_cap))
+        sampling = self._sampling_args(params, keys)
         slots = [live.slot for live in lives]
         got: dict[int, tuple[list[int], list[float], list[float]]] = {s: ([], [], []) for s in slots}
         ended = np.zeros(self.batch_size, bool)  # stopped on a stop token
@@ -311,10 +312,7 @@ class JaxEngine:
                 self._cache,
                 self._last,
                 jnp.asarray(budget),
-                row_keys,
-                jnp.float32(params.temperature),
-                jnp.float32(params.top_p),
-                jnp.asarray(stops),
+                *sampling,
                 jnp.int32(steps),
                 n_cap=n_cap,
             )
@@ -347,6 +345,25 @@ class JaxEngine:
             )
             live.length += len(ids)
         return out
+
+    def _sampling_args(self, params: SamplingParams, keys: np.ndarray) -> tuple[jax.Array, ...]:
+        """The decode program's sampling arguments: a key per row (the seed folded with `keys`),
+        temperature, top_p, and the stop ids padded to a multiple of 8 (fewer programs)."""
+        stops = np.full(-(-max(len(params.stop_token_ids), 1) // 8) * 8, -1, np.int32)
+        stops[: len(params.stop_token_ids)] = params.stop_token_ids
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(params.seed), jnp.asarray(keys))
+        return row_keys, jnp.float32(params.temperature), jnp.float32(params.top_p), jnp.asarray(stops)
+
+    def decode_hlo(self, params: SamplingParams) -> str:
+        """The optimized HLO of the decode program a turn with `params` runs (compiled again:
+        for profiles, which match trace events to its instructions)."""
+        n_cap = _bucket(min(params.max_new_tokens, self.max_len))
+        budget = jnp.zeros(self.batch_size, jnp.int32)
+        sampling = self._sampling_args(params, np.zeros(self.batch_size, np.int32))
+        lowered = self._decode.lower(
+            self._state, self._cache, self._last, budget, *sampling, jnp.int32(n_cap), n_cap=n_cap
+        )
+        return lowered.compile().as_text()
 
     def _feed(self, lives: list[_Live]) -> None:
         """Prefill every session's pending tokens into its slot, largest fitting chunk first."""

@@ -61,6 +61,7 @@ class ServerConfig:
     model: str  # a HF checkpoint directory (with a tokenizer for chat completions)
     host: str = "127.0.0.1"
     port: int = 0  # 0 = a free port
+    enable_lora: bool = True  # False: the base model only (no LoRA layers in the server's forward)
     max_lora_rank: int = 16  # adapters of rank <= this (rounded up to a rank vLLM accepts)
     max_loras: int = 2  # adapters resident at once
     max_model_len: int = 2048  # context limit per request, tokens
@@ -141,11 +142,11 @@ def server_command(cfg: ServerConfig, python: str | Path, port: int, kind: str) 
         "bfloat16",
         "--max-model-len",
         str(cfg.max_model_len),
-        "--enable-lora",
-        "--max-lora-rank",
-        str(lora_rank_bucket(cfg.max_lora_rank)),
-        "--max-loras",
-        str(cfg.max_loras),
+    ]
+    if cfg.enable_lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_bucket(cfg.max_lora_rank))]
+        cmd += ["--max-loras", str(cfg.max_loras)]
+    cmd += [
         "--logprobs-mode",
         "raw_logprobs",
         "--max-logprobs",
