@@ -7,6 +7,7 @@ unrolled tail, so both cache layouts are masked per row), adapters with non-zero
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -203,6 +204,36 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     assert kept(0.9) == [True, True, True, False]
     assert kept(0.99) == [True, True, True, True]
     np.testing.assert_allclose(np.exp(nucleus_logprobs(logits, 1.0, 0.6))[0, :2], [0.625, 0.375], rtol=1e-6)
+
+
+def test_top_p_one_keeps_the_tail_and_only_the_chosen_branch_sorts_or_draws():
+    # One token holds all but ~4e-13 of the mass: float32's running sum is 1.0 after it, so a cut
+    # by "mass before the token < top_p" alone would drop the whole tail at top_p = 1.
+    logits = jnp.asarray([[30.0, 0.0, 0.0, 0.0, -5.0]])
+    full = jax.nn.log_softmax(logits)
+    np.testing.assert_allclose(nucleus_logprobs(logits, 1.0, 1.0), full, rtol=1e-6)
+    assert not np.isfinite(np.asarray(nucleus_logprobs(logits, 1.0, 0.9)))[0, 1:].any()
+    keys = jax.random.split(jax.random.key(3), 4)
+    rows = jnp.broadcast_to(jnp.asarray([[0.5, 0.2, 0.0, -1.0, 0.3]]), (4, 5))
+    tokens, raw, proc = jax.jit(sample_tokens)(keys, rows, 0.7, 1.0)
+    drawn = jax.vmap(jax.random.categorical)(keys, jax.nn.log_softmax(rows / 0.7))
+    np.testing.assert_array_equal(tokens, drawn)
+    np.testing.assert_allclose(proc, jax.nn.log_softmax(rows / 0.7)[jnp.arange(4), tokens], rtol=1e-6)
+    np.testing.assert_allclose(raw, jax.nn.log_softmax(rows)[jnp.arange(4), tokens], rtol=1e-6)
+
+    # The sort (the nucleus) and the draw sit inside branches on the scalars, never on the
+    # greedy path: at 32k tokens the sort alone cost more than the model's step on the CPU.
+    def outside_branches(jaxpr):  # primitives run whatever the scalars (nested calls, not cond branches)
+        names = set()
+        for e in jaxpr.eqns:
+            names.add(e.primitive.name)
+            if e.primitive.name != "cond":
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    names |= outside_branches(sub)
+        return names
+
+    top = outside_branches(jax.make_jaxpr(sample_tokens)(keys, rows, 0.0, 0.5).jaxpr)
+    assert "cond" in top and not top & {"sort", "random_bits", "threefry2x32"}
 
 
 def test_update_weights_changes_outputs_without_recompiling(engine, model, prompts):
