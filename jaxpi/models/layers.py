@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpi.config import FULL, QwenConfig, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
+from jaxpi.kernels.dense import dense
 from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
@@ -62,6 +63,7 @@ def project(
     hf: str | None = None,
     n_in: int = 1,
     dropout_key: jax.Array | None = None,
+    inference: bool = False,
 ) -> jax.Array:
     """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(drop(x)·A)·B`
     when the module carries an adapter for `proj` (`jaxpi.models.adapters`, filled by
@@ -69,9 +71,12 @@ def project(
 
     The product stays in the activation dtype (TPU/GPU accumulate bf16 products in float32 inside
     the matmul): asking for a float32 result would make the backward cotangent float32 and promote
-    every bf16 weight to a float32 copy in the gradient matmuls.
+    every bf16 weight to a float32 copy in the gradient matmuls. `inference` (a forward on a decode
+    cache, never differentiated) asks for it and rounds once (`jaxpi.kernels.dense`): the same
+    arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights.
     """
-    y = jnp.einsum(eq, x, getattr(mod, proj)[...])
+    w = getattr(mod, proj)[...]
+    y = dense(eq, x, w, n_in=n_in) if inference else jnp.einsum(eq, x, w)
     name = hf or proj
     if _TAPS is not None:
         _TAPS.append((name, x))
@@ -140,14 +145,16 @@ class MLP(nnx.Module):
         self.up_proj = param(rngs, (d, f), ("embed", "mlp"), normal(), dtype)
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), normal(), dtype)
 
-    def __call__(self, x: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        key = dropout_key
+    def __call__(
+        self, x: jax.Array, *, dropout_key: jax.Array | None = None, inference: bool = False
+    ) -> jax.Array:
+        kw = {"dropout_key": dropout_key, "inference": inference}
         # Named for the "mlp" remat policy, which keeps these two (the widest projections) and
         # recomputes the rest; identities under every other policy.
-        gate = checkpoint_name(project(self, "gate_proj", x, "btd,df->btf", dropout_key=key), "mlp_gate")
-        up = checkpoint_name(project(self, "up_proj", x, "btd,df->btf", dropout_key=key), "mlp_up")
+        gate = checkpoint_name(project(self, "gate_proj", x, "btd,df->btf", **kw), "mlp_gate")
+        up = checkpoint_name(project(self, "up_proj", x, "btd,df->btf", **kw), "mlp_up")
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return project(self, "down_proj", hidden, "btf,fd->btd", dropout_key=key)
+        return project(self, "down_proj", hidden, "btf,fd->btd", **kw)
 
 
 class GatedAttention(nnx.Module):
@@ -181,11 +188,12 @@ class GatedAttention(nnx.Module):
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, hd = self.cfg, self.cfg.head_dim
+        kw = {"dropout_key": dropout_key, "inference": cache is not None}
         with jax.named_scope("qkv"):
-            qg = project(self, "q_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)  # [B, T, Hq, 2d]
+            qg = project(self, "q_proj", x, "btd,dhk->bthk", **kw)  # [B, T, Hq, 2d]
             q, gate = qg[..., :hd], qg[..., hd:]
-            k = project(self, "k_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
-            v = project(self, "v_proj", x, "btd,dhk->bthk", dropout_key=dropout_key)
+            k = project(self, "k_proj", x, "btd,dhk->bthk", **kw)
+            v = project(self, "v_proj", x, "btd,dhk->bthk", **kw)
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=Q_AXES)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=KV_AXES)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
@@ -223,7 +231,7 @@ class GatedAttention(nnx.Module):
             )
             new_cache = {"k": ck, "v": cv}
         o = o * jax.nn.sigmoid(gate)
-        return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key), new_cache
+        return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2, **kw), new_cache
 
 
 class GatedDeltaNet(nnx.Module):
@@ -271,6 +279,7 @@ class GatedDeltaNet(nnx.Module):
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         kd, vd = nk * dk, nv * dv
+        kw_proj = {"dropout_key": dropout_key, "inference": cache is not None}
         with jax.named_scope("conv"):
             # The depthwise conv is per channel, so q, k and v are convolved apart: each stays split
             # by its own heads under tensor parallelism (a concatenation would be resharded). The
@@ -279,9 +288,9 @@ class GatedDeltaNet(nnx.Module):
             bounds = np.cumsum([0, kd, kd, vd])
             outs, states = [], []
             for j, (proj, conv, heads, dim) in enumerate(parts):
-                y = project(
-                    self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", dropout_key=dropout_key
-                ).reshape(b, t, heads * dim)
+                y = project(self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", **kw_proj).reshape(
+                    b, t, heads * dim
+                )
                 w = getattr(self, conv)[...].reshape(kw, heads * dim)  # [K, channels]
                 st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
                 y, st = causal_conv1d(y, w, segment_ids=segment_ids, state=st)
@@ -293,9 +302,9 @@ class GatedDeltaNet(nnx.Module):
             v = constrain(outs[2], GDN_V_AXES)
         with jax.named_scope("gates"):
             beta = jax.nn.sigmoid(
-                upcast(project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", dropout_key=dropout_key))
+                upcast(project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", **kw_proj))
             )
-            a = upcast(project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", dropout_key=dropout_key))
+            a = upcast(project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", **kw_proj))
             g = -jnp.exp(upcast(self.A_log[...])) * jax.nn.softplus(a + upcast(self.dt_bias[...]))
         state = None if cache is None else cache["state"]
         with jax.named_scope("delta_rule"):
@@ -316,11 +325,11 @@ class GatedDeltaNet(nnx.Module):
                     segment_ids=segment_ids,
                 )
         with jax.named_scope("out"):
-            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", dropout_key=dropout_key)
+            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", **kw_proj)
             o = gated_rms_norm(
                 o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=GDN_V_AXES
             )
-            y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, dropout_key=dropout_key)
+            y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, **kw_proj)
         new_cache = (
             None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
         )
@@ -353,7 +362,8 @@ class DecoderLayer(nnx.Module):
             h = constrain(h + y, act)
         with jax.named_scope("mlp"):
             normed = rms_norm(h, self.post_norm[...], eps, impl=impl, axes=RESID_AXES)
-            h = constrain(h + self.mlp(normed, dropout_key=dropout_key), act)
+            inference = kw.get("cache") is not None  # a forward on a decode cache
+            h = constrain(h + self.mlp(normed, dropout_key=dropout_key, inference=inference), act)
         # named for the "mlp_out" remat policy: the next layer of a remat'd group starts from it
         # instead of recomputing this layer's down projection; an identity otherwise
         return checkpoint_name(h, "layer_out"), cache

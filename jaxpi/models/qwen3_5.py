@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxpi.config import QwenConfig
 from jaxpi.kernels.attention import rope_tables
+from jaxpi.kernels.dense import dense
 from jaxpi.kernels.norms import rms_norm
 from jaxpi.models.layers import DecoderLayer, init_layer_cache
 from jaxpi.models.params import constant, constrain, normal, param
@@ -152,13 +153,15 @@ class Qwen3_5ForCausalLM(nnx.Module):
         hidden, new_cache = self.hidden_states(
             input_ids, positions, segment_ids, cache, dropout_key=dropout_key
         )
-        logits = self.logits(hidden)
+        logits = self.logits(hidden, inference=cache is not None)
         return logits if cache is None else (logits, new_cache)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, *, inference: bool = False) -> jax.Array:
+        """`inference` (never differentiated): float32 accumulation, rounded once (`dense`)."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         # Logits in the activation dtype (as transformers); the loss upcasts to float32.
-        return constrain(jnp.einsum("btd,dv->btv", hidden, w), ("batch", "seq", "vocab"))
+        logits = dense("btd,dv->btv", hidden, w) if inference else jnp.einsum("btd,dv->btv", hidden, w)
+        return constrain(logits, ("batch", "seq", "vocab"))
 
     def hidden_states(
         self,
@@ -187,7 +190,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             )
         rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, self.embed.get_value().dtype)
         kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
-        h = jnp.take(self.embed[...], input_ids, axis=0)
+        h = embed_rows(self.embed[...], input_ids, inference=cache is not None)
         if cfg.pad_token_id is not None:
             # nn.Embedding(padding_idx=pad): the pad row's lookups pass no gradient to the table
             # (the row stays as trained; a tied LM head still trains it through the logits)
@@ -263,6 +266,16 @@ class Qwen3_5ForCausalLM(nnx.Module):
             init_layer_cache(cfg, t, batch, max_len, dtype) for t in cfg.layer_types[p * g :]
         )
         return cache
+
+
+def embed_rows(table: jax.Array, ids: jax.Array, *, inference: bool = False) -> jax.Array:
+    """`table[ids]`. In inference a 16-bit table is gathered as uint16 bits: XLA:CPU gathers bf16
+    rows from a float32 copy of the whole table, and in the decode loop that copy (twice the
+    table's bytes) was hoisted out and written again by every call."""
+    if not inference or table.dtype.itemsize != 2:
+        return jnp.take(table, ids, axis=0)
+    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+    return jax.lax.bitcast_convert_type(bits, table.dtype)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:

@@ -1,0 +1,43 @@
+"""A projection for inference (prefill and decode): products accumulated in float32 and rounded once.
+
+    y = round_to(x.dtype, einsum(eq, x, w) accumulated in float32)
+
+This is what a bf16 matmul computes on every backend (XLA:CPU converts both operands to float32;
+GPUs and TPUs accumulate bf16 products in float32); asking for the float32 result
+(`preferred_element_type`) changes which kernel XLA:CPU picks, and with it the order of the
+float32 sums (the last bits), not the arithmetic:
+
+- a bf16 dot with a float32 result goes to XLA:CPU's bf16 library kernel (YNNPACK), which reads
+  the weight as stored; one with a bf16 result runs on float32 copies of both operands;
+- a product with a single row (decode at batch 1) becomes a float32 matrix-vector product on a
+  float32 copy of the weight whatever the result type, so that row is padded to two (the second
+  row zero, its result dropped).
+
+Inside the engine's decode loop XLA hoists those float32 copies out of the loop: each call wrote a
+float32 copy of every weight (twice the model's bytes) and each step read it. Weights of float32
+(or float64) are left to XLA's own choice: their products are unchanged, bit for bit.
+
+Training keeps `jnp.einsum` in the activation dtype (`jaxpi.models.layers.project`): a float32
+result would make the backward's cotangents float32 and every bf16 weight gradient product float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# XLA backends whose bf16 library kernel skips single-row products (see the module docstring).
+PAD_SINGLE_ROW = ("cpu",)
+
+
+def dense(eq: str, x: jax.Array, w: jax.Array, *, n_in: int = 1) -> jax.Array:
+    """`einsum(eq, x, w)` with float32 accumulation, in x's dtype. `eq` contracts the last `n_in`
+    axes of x with leading axes of w; x's other axes are rows (e.g. "btd,df->btf", n_in 1)."""
+    if jnp.dtype(w.dtype).itemsize >= 4:  # float32 / float64: XLA's own product, unchanged
+        return jnp.einsum(eq, x, w)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    lead = x.shape[: x.ndim - n_in]
+    if lead and all(n == 1 for n in lead) and jax.default_backend() in PAD_SINGLE_ROW:
+        padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)  # two rows along the first axis
+        return jnp.einsum(eq, padded, w, preferred_element_type=acc)[:1].astype(x.dtype)
+    return jnp.einsum(eq, x, w, preferred_element_type=acc).astype(x.dtype)
