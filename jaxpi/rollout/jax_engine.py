@@ -36,8 +36,12 @@ import numpy as np
 from flax import nnx
 
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.models.unstack import unstack_layers, unstack_state
 from jaxpi.rollout.engine import Completion, SamplingParams, Session
 from jaxpi.rollout.sampling import sample_tokens
+
+# Backends on which the engine unstacks the layer groups by default (see `JaxEngine`).
+UNSTACK_ON = ("cpu",)
 
 
 def select_rows(mask: jax.Array, new: dict, old: dict) -> dict:
@@ -88,7 +92,13 @@ class JaxEngine:
     overflow it ends with finish_reason "length". `batch_size` is the number of sessions that can
     be live at once (and the batch every compiled call runs). `dtype` is the KV cache dtype
     (default: the model's). `update_weights` swaps in new weights of the same shapes without
-    recompiling.
+    recompiling (a model, or a state, in the caller's layout).
+
+    `unstack` (default: on the CPU) runs the model with its scanned layer groups unstacked
+    (`jaxpi.models.unstack`): the engine then holds its own copy of the groups' weights, and no
+    call slices them out of the stacks (on XLA:CPU each slice is a copy of the weight: a copy of
+    every weight per prefill call and per decode call). Off, the engine shares the caller's
+    arrays and pays those copies.
     """
 
     def __init__(
@@ -99,6 +109,7 @@ class JaxEngine:
         batch_size: int = 8,
         dtype: jnp.dtype | str | None = None,
         prefill_chunks: Sequence[int] = (256, 32, 4, 1),
+        unstack: bool | None = None,
     ):
         chunks = tuple(sorted({int(c) for c in prefill_chunks}, reverse=True))
         if max_len < 2:
@@ -109,6 +120,11 @@ class JaxEngine:
             raise ValueError(f"prefill_chunks must be positive and include 1, got {prefill_chunks}")
         self.max_len, self.batch_size, self.prefill_chunks = max_len, batch_size, chunks
         self.vocab_size = model.cfg.vocab_size
+        # The layout callers' weights come in (update_weights), and whether the engine unstacks it.
+        self._source_cfg = model.cfg
+        self.unstacked = jax.default_backend() in UNSTACK_ON if unstack is None else bool(unstack)
+        if self.unstacked:
+            model = unstack_layers(model)
         self._graphdef, state = nnx.split(model)
         self._state = _detach(state)
         self._cache = model.init_cache(batch_size, max_len, dtype)
@@ -185,8 +201,10 @@ class JaxEngine:
         """Use new weights from now on: a model of the same structure, or a (partial) state such
         as `nnx.state(model, LoRAParam)`. Shapes and dtypes must match, so nothing recompiles."""
         if isinstance(model_or_state, nnx.Module):
-            _, state = nnx.split(model_or_state)
+            _, state = nnx.split(unstack_layers(model_or_state) if self.unstacked else model_or_state)
         else:
+            if self.unstacked:
+                model_or_state = unstack_state(self._source_cfg, model_or_state)
             current = nnx.merge(self._graphdef, _detach(self._state))
             nnx.update(current, model_or_state)
             _, state = nnx.split(current)
