@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxpi import TINY, load_hf
 from jaxpi.config import FULL, LINEAR
@@ -109,3 +111,47 @@ def test_decode_rows_with_different_lengths(model, ids):
 def test_segments_and_cache_do_not_mix(model, ids):
     with pytest.raises(ValueError, match="segment_ids"):
         model(ids, segment_ids=jnp.zeros_like(ids), cache=model.init_cache(2, 64))
+
+
+MASKED = jax.jit(lambda m, x, c, a: m(x, cache=c, active=a))
+
+
+def cache_row(cache, b):
+    """Row b of every cache array (the batch axis follows the stacked-group axis in "groups")."""
+    return {
+        "groups": jax.tree.map(lambda a: a[:, b], cache["groups"]),
+        "tail": jax.tree.map(lambda a: a[b], cache["tail"]),
+    }
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(0, 28), min_size=3, max_size=3),
+    t=st.sampled_from([1, 4]),
+    mask=st.lists(st.booleans(), min_size=3, max_size=3),
+)
+def test_rows_outside_active_keep_their_cache_exactly(model, ids, lengths, t, mask):
+    """A masked call leaves the other rows' cache bit for bit (a row full up to max_len too, where
+    the attention write would be clamped back onto filled slots), and each active row continues
+    as it would alone."""
+    max_len = 32
+    rows = []
+    for b, n in enumerate(lengths):
+        c = model.init_cache(batch=1, max_len=max_len)
+        if n:
+            _, c = STEP(model, ids[b % 2 : b % 2 + 1, :n], c)
+        rows.append(c)
+    cache = concat_cache_rows(rows)
+    tokens = jnp.stack([ids[b % 2, 30 : 30 + t] for b in range(3)])
+    active = jnp.asarray(mask)
+    logits, new = MASKED(model, tokens, cache, active)
+    for b, (n, on) in enumerate(zip(lengths, mask, strict=True)):
+        got, was = cache_row(new, b), cache_row(cache, b)
+        if not on:
+            jax.tree.map(np.testing.assert_array_equal, got, was)
+            assert int(new["lengths"][b]) == n
+        else:
+            alone_logits, alone = STEP(model, tokens[b : b + 1], rows[b])
+            assert int(new["lengths"][b]) == n + t
+            assert rel(logits[b], alone_logits[0]) < 1e-5
+            np.testing.assert_allclose(new["tail"][0]["state"][b], alone["tail"][0]["state"][0], atol=1e-6)

@@ -288,6 +288,8 @@ class DecodeRunConfig(BenchRunConfig):
     batches: str = "1,16"  # decode batch sizes, comma-separated
     new_tokens: int | None = None  # tokens decoded per request; None: 16 (tiny), 64 (mid)
     prompt_len: int = 8
+    # the engine's context per row (its cache length); None: prompt_len + new_tokens + 1
+    max_len: int | None = None
     # a HF checkpoint to decode instead of random bench weights (with vs vllm: None writes a random
     # bf16 checkpoint of the bench model, which both engines load)
     checkpoint: str | None = None
@@ -300,6 +302,8 @@ class DecodeRunConfig(BenchRunConfig):
             errors.append(f"new_tokens must be >= 1, got {self.new_tokens}")
         if self.prompt_len < 1:
             errors.append(f"prompt_len must be >= 1, got {self.prompt_len}")
+        if self.max_len is not None and self.max_len < self.prompt_len + (self.new_tokens or 1) + 1:
+            errors.append(f"max_len must hold the prompt and the new tokens, got {self.max_len}")
         if self.vs == "vllm" and self.dtype != "bfloat16":
             errors.append("vs vllm needs dtype bfloat16 (vLLM's CPU backend runs bf16 only)")
         if self.vllm_url is not None and (self.vs != "vllm" or self.checkpoint is None):
@@ -344,6 +348,7 @@ class ProfileRunConfig(BenchRunConfig):
     mode: str = "train"
     new_tokens: int | None = None  # mode decode: tokens per row; None: 16 (tiny), 64 (mid)
     prompt_len: int = 8  # mode decode
+    max_len: int | None = None  # mode decode: the engine's cache length; None: prompt + new + 1
 
     def _errors(self) -> list[str]:
         errors = [] if self.steps >= 1 else [f"steps must be >= 1, got {self.steps}"]

@@ -114,6 +114,7 @@ def decode_bench(
     batches: Sequence[int] = (1, 16),
     new_tokens: int = 64,
     prompt_len: int = 8,
+    max_len: int | None = None,
     vs: str = "none",
     checkpoint: str | Path | None = None,
     vllm_url: str | None = None,
@@ -125,6 +126,8 @@ def decode_bench(
     `checkpoint`: a HF checkpoint directory to load instead of random bench weights (needed with
     vLLM unless the bench writes one: it then writes a random bf16 checkpoint of the bench model).
     `vllm_url`: a running vLLM server that serves `checkpoint` (else one is started on it).
+    `max_len`: the engine's cache length per row (vLLM's max model length); by default just
+    enough for the prompt and the new tokens.
     """
     say = progress or (lambda msg: None)
     if new_tokens < 1 or prompt_len < 1 or not batches or min(batches) < 1:
@@ -135,7 +138,9 @@ def decode_bench(
         raise ValueError(f"--vs vllm needs --dtype {VLLM_DTYPE}: vLLM's CPU backend runs bf16 only")
     if vllm_url and (vs != "vllm" or checkpoint is None):
         raise ValueError("vllm_url needs vs='vllm' and the checkpoint that server serves")
-    max_len = prompt_len + new_tokens + 1
+    max_len = max_len or prompt_len + new_tokens + 1
+    if max_len < prompt_len + new_tokens + 1:
+        raise ValueError(f"max_len {max_len} does not hold {prompt_len} + {new_tokens} tokens")
     with tempfile.TemporaryDirectory(prefix="jaxpi-decode-") as tmp:
         if checkpoint is None and vs == "vllm":
             say("random bf16 checkpoint of the bench model (transformers)")
@@ -145,6 +150,7 @@ def decode_bench(
         out: dict[str, Any] = {
             "new_tokens": new_tokens,
             "prompt_len": prompt_len,
+            "max_len": max_len,
             "vs": vs,
             "checkpoint": None if checkpoint is None else str(checkpoint),
             "model": {
@@ -171,7 +177,9 @@ def decode_bench(
                     out["vllm"]["startup_s"] = server.startup_s
             for b in batches:
                 say(f"decode at batch {b}")
-                out["batches"][str(b)] = _one_batch(model, veng, b, new_tokens, prompt_len, bench, probe, say)
+                out["batches"][str(b)] = _one_batch(
+                    model, veng, b, new_tokens, prompt_len, max_len, bench, probe, say
+                )
         finally:
             if veng is not None:
                 veng.shutdown()
@@ -211,6 +219,7 @@ def _one_batch(
     b: int,
     new_tokens: int,
     prompt_len: int,
+    max_len: int,
     bench: BenchConfig,
     probe: Callable[[], float],
     say: Callable[[str], None],
@@ -219,7 +228,6 @@ def _one_batch(
     rng = np.random.default_rng(bench.seed + b)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     prompts = rng.integers(0, model.cfg.vocab_size, (b, prompt_len)).tolist()
-    max_len = prompt_len + new_tokens + 1
     engine = JaxEngine(model, max_len=max_len, batch_size=b)
     outputs: dict[str, list] = {"jaxpi": [], "vllm": []}
 

@@ -276,13 +276,15 @@ def profile_decode(
     calls: int = 1,
     new_tokens: int = 64,
     prompt_len: int = 8,
+    max_len: int | None = None,
     trace_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Trace `calls` greedy `generate` calls of the engine on the bench model (`bench.batch` rows,
-    random prompts of `prompt_len`, `new_tokens` each) after a warm-up, and sum the decode
-    program's op time per loop iteration by model part (`DECODE_PARTS`)."""
+    random prompts of `prompt_len`, `new_tokens` each, `max_len` the engine's cache length, by
+    default just enough) after a warm-up, and sum the decode program's op time per loop
+    iteration by model part (`DECODE_PARTS`)."""
     model = random_model(bench)
-    max_len = prompt_len + new_tokens + 1
+    max_len = max_len or prompt_len + new_tokens + 1
     engine = JaxEngine(model, max_len=max_len, batch_size=bench.batch)
     prompts = np.random.default_rng(bench.seed).integers(0, model.cfg.vocab_size, (bench.batch, prompt_len))
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
@@ -305,6 +307,8 @@ def profile_decode(
     res["bytes_per_step"] = step_bytes(
         model, batch=bench.batch, context=prompt_len + (new_tokens - 1) / 2, max_len=max_len
     )
-    res.update(mode="decode", batch=bench.batch, new_tokens=new_tokens, calls=calls, steps=steps)
+    res.update(
+        mode="decode", batch=bench.batch, new_tokens=new_tokens, max_len=max_len, calls=calls, steps=steps
+    )
     res["trace_dir"] = str(out_dir)
     return res

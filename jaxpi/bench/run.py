@@ -156,6 +156,7 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
             batches=parse_ints(args.batches),
             new_tokens=new,
             prompt_len=args.prompt_len,
+            max_len=args.max_len,
             vs="vllm" if vs == "vllm" else "none",
             checkpoint=args.checkpoint,
             vllm_url=args.vllm_url,
@@ -173,7 +174,12 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
         say(f"profiling the engine's decode loop at batch {bench.batch}")
         new = args.new_tokens or NEW_TOKENS.get(bench.preset, 64)
         results["profile"] = profile_decode(
-            bench, calls=args.steps, new_tokens=new, prompt_len=args.prompt_len, trace_dir=args.trace_dir
+            bench,
+            calls=args.steps,
+            new_tokens=new,
+            prompt_len=args.prompt_len,
+            max_len=args.max_len,
+            trace_dir=args.trace_dir,
         )
     elif command == "profile":
         from jaxpi.bench.profile import profile_train_step

@@ -81,6 +81,7 @@ DECODE_FLAGS = (
     Flag("--batches", "batches", "decode batch sizes, comma-separated"),
     Flag("--new-tokens", "new_tokens", "default: 16 (tiny), 64 (mid)", convert=or_none),
     Flag("--prompt-len", "prompt_len"),
+    Flag("--max-len", "max_len", "the engine's cache length per row (default: prompt + new tokens + 1)"),
     Flag("--checkpoint", "checkpoint", "a HF checkpoint to decode (default: random bench weights)"),
     Flag("--vllm-url", "vllm_url", "with --vs vllm: a running server that serves --checkpoint"),
 )
@@ -95,6 +96,7 @@ PROFILE_FLAGS = (
     ),
     Flag("--new-tokens", "new_tokens", "mode decode: default 16 (tiny), 64 (mid)", convert=or_none),
     Flag("--prompt-len", "prompt_len", "mode decode"),
+    Flag("--max-len", "max_len", "mode decode: the engine's cache length per row"),
 )
 GDN_FLAGS = (
     Flag(

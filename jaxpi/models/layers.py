@@ -185,6 +185,7 @@ class GatedAttention(nnx.Module):
         segment_ids: jax.Array | None,
         cache: Cache | None,
         lengths: jax.Array | None,
+        active: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         cfg, hd = self.cfg, self.cfg.head_dim
@@ -213,12 +214,21 @@ class GatedAttention(nnx.Module):
                 o = causal_attention(q, k, v, segments=segment_ids)
             new_cache = None
         else:
+            t = x.shape[1]
             with jax.named_scope("cache_update"):
-                # Row b writes its T new entries at slots lengths[b] .. lengths[b] + T - 1.
+                # Row b writes its T new entries at slots lengths[b] .. lengths[b] + T - 1; a row
+                # outside `active` writes back what those slots held (T slots, not its whole cache).
                 write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
-                ck = write(cache["k"], k.astype(cache["k"].dtype), lengths)
-                cv = write(cache["v"], v.astype(cache["v"].dtype), lengths)
-            t, s = x.shape[1], ck.shape[1]
+                read = jax.vmap(lambda c, i: jax.lax.dynamic_slice(c, (i, 0, 0), (t, *c.shape[1:])))
+
+                def update(c: jax.Array, new: jax.Array) -> jax.Array:
+                    new = new.astype(c.dtype)
+                    if active is not None:
+                        new = jnp.where(active[:, None, None, None], new, read(c, lengths))
+                    return write(c, new, lengths)
+
+                ck, cv = update(cache["k"], k), update(cache["v"], v)
+            s = ck.shape[1]
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x.shape[0], s))
             q_slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
             o = attention(
@@ -271,6 +281,7 @@ class GatedDeltaNet(nnx.Module):
         *,
         segment_ids: jax.Array | None,
         cache: Cache | None,
+        active: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
         **_: Any,
     ) -> tuple[jax.Array, Cache | None]:
@@ -330,9 +341,14 @@ class GatedDeltaNet(nnx.Module):
                 o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=GDN_V_AXES
             )
             y = project(self, "out_proj", o, "bthk,hkd->btd", n_in=2, **kw_proj)
-        new_cache = (
-            None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
-        )
+        new_cache = None
+        if cache is not None:
+            new_cache = {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
+            if active is not None:  # rows outside `active` keep theirs
+                new_cache = {
+                    k: jnp.where(active.reshape(-1, *[1] * (v.ndim - 1)), v, cache[k])
+                    for k, v in new_cache.items()
+                }
         return y, new_cache
 
 

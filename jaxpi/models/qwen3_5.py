@@ -138,6 +138,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
         cache: dict | None = None,
         *,
         dropout_key: jax.Array | None = None,
+        active: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, dict]:
         """Logits `[B, T, V]` for `input_ids` `[B, T]`; with `cache`, returns `(logits, new_cache)`.
 
@@ -149,9 +150,12 @@ class Qwen3_5ForCausalLM(nnx.Module):
         `dropout_key` (a PRNG key; a trainer passes a fresh one per step) switches on LoRA dropout
         at the adapters' rate; None (the default, for evaluation and decoding) means no dropout.
         The same key gives the same masks, whether layers are scanned or not.
+
+        `active` `[B]` bool (with a cache): only these rows take the tokens; the others' cache
+        rows (and lengths) come back exactly as they were, their logits are meaningless.
         """
         hidden, new_cache = self.hidden_states(
-            input_ids, positions, segment_ids, cache, dropout_key=dropout_key
+            input_ids, positions, segment_ids, cache, dropout_key=dropout_key, active=active
         )
         logits = self.logits(hidden, inference=cache is not None)
         return logits if cache is None else (logits, new_cache)
@@ -171,11 +175,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
         cache: dict | None = None,
         *,
         dropout_key: jax.Array | None = None,
+        active: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None]:
         """Final-normed hidden states `[B, T, D]` (the LM head is left to the caller's loss)."""
         cfg = self.cfg
         b, t = input_ids.shape
         lengths = None
+        if active is not None and cache is None:
+            raise ValueError("active selects rows of a decode cache: pass a cache with it")
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a decode cache")
@@ -190,13 +197,17 @@ class Qwen3_5ForCausalLM(nnx.Module):
             )
         rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, self.embed.get_value().dtype)
         kw = {"rope": rope, "positions": positions, "segment_ids": segment_ids, "lengths": lengths}
+        if active is not None:
+            kw["active"] = active
         h = embed_rows(self.embed[...], input_ids, inference=cache is not None)
         if cfg.pad_token_id is not None:
             # nn.Embedding(padding_idx=pad): the pad row's lookups pass no gradient to the table
             # (the row stays as trained; a tied LM head still trains it through the logits)
             h = jnp.where((input_ids == cfg.pad_token_id)[..., None], jax.lax.stop_gradient(h), h)
         h = constrain(h, ("batch", "seq", "embed"))
-        new_cache: dict[str, Any] | None = None if cache is None else {"lengths": lengths + t}
+        new_cache: dict[str, Any] | None = None
+        if cache is not None:
+            new_cache = {"lengths": lengths + (t if active is None else jnp.where(active, t, 0))}
         p, g = layer_plan(cfg)
         if self.groups is not None:
             h, group_cache = self._scan_groups(

@@ -2,8 +2,9 @@
 
 The engine owns a fixed pool of `batch_size` cache rows ("slots", each `max_len` tokens); a
 session holds one slot for its lifetime. Every compiled call runs on the whole pool with a per-row
-`active` mask, and rows outside the mask are left exactly as they were (`select_rows`), so shapes
-never change with the number of live sessions, prompt lengths or turns:
+`active` mask, and rows outside the mask are left exactly as they were (the model masks its own
+cache writes: an attention layer writes back the T slots it would have written, a DeltaNet layer
+keeps its state), so shapes never change with the number of live sessions, prompt lengths or turns:
 
     prefill(T)   feed T tokens to the active rows          one program per T in `prefill_chunks`
     decode(N)    sample ≤ N tokens per active row          one program per N (a power of two)
@@ -137,13 +138,16 @@ class JaxEngine:
         self._next_id = 0
         graphdef = self._graphdef
 
-        def forward(state: nnx.State, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-            return nnx.merge(graphdef, state)(tokens, cache=cache)
+        def forward(
+            state: nnx.State, tokens: jax.Array, cache: dict, active: jax.Array
+        ) -> tuple[jax.Array, dict]:
+            # rows outside `active` keep their cache rows: the model masks its own cache writes
+            return nnx.merge(graphdef, state)(tokens, cache=cache, active=active)
 
         def prefill(state, cache, last, tokens, active):
-            logits, new = forward(state, tokens, cache)  # [B, T, V]
+            logits, cache = forward(state, tokens, cache, active)  # [B, T, V]
             last = jnp.where(active[:, None], logits[:, -1].astype(logit_dtype), last)
-            return select_rows(active, new, cache), last
+            return cache, last
 
         def decode(state, cache, last, budget, row_keys, temperature, top_p, stop_ids, steps, *, n_cap):
             b = budget.shape[0]
@@ -177,8 +181,7 @@ class JaxEngine:
                 n_out = n_out + live
                 hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
                 # Every emitted token enters the cache, so the next turn continues after it.
-                logits, new = forward(state, tok[:, None], cache)
-                cache = select_rows(live, new, cache)
+                logits, cache = forward(state, tok[:, None], cache, live)
                 with jax.named_scope("next_logits"):
                     last = jnp.where(live[:, None], logits[:, 0].astype(logit_dtype), last)
                 done = done | hit | (n_out >= budget)
