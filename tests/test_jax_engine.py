@@ -266,3 +266,30 @@ def test_slots_are_bounded_and_reused(engine, prompts):
     many = engine.generate(prompts + prompts[:2], params)
     assert many[:4] == engine.generate(prompts, params)
     assert all(isinstance(c, Completion) for c in many) and len(many) == 6
+
+
+def test_a_bf16_engine_on_the_cpu_reads_its_weights_and_cache_as_stored():
+    """On XLA:CPU a bf16 model's decode loop holds no float32 copy of a weight or of the
+    embedding table, and its KV cache is float32 (a bf16 cache is converted whole for every write
+    and read); the float32 cache holds the bf16 keys and values exactly: the same tokens."""
+    from jaxpi.config import FULL, LINEAR
+    from jaxpi.hf_fixtures import random_jax_model
+
+    m = random_jax_model(TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL)), 4, "bfloat16")
+    wide = JaxEngine(m, max_len=40, batch_size=3, prefill_chunks=(4, 1))
+    narrow = JaxEngine(m, max_len=40, batch_size=3, prefill_chunks=(4, 1), dtype=jnp.bfloat16)
+    k = wide._cache["tail"][1]["k"]
+    assert k.dtype == jnp.float32 and k.shape == (3, 2, 40, 32)  # head-major [B, Hkv, S, d]
+    hlo = wide.decode_hlo(GREEDY)
+    # the matrices (the conv's 4 taps are upcast by the conv itself, a few hundred values)
+    flat = nnx.to_flat_state(nnx.state(m, nnx.Param))
+    weights = {
+        v.get_value().shape for p, v in flat if v.get_value().ndim >= 2 and not str(p[-1]).startswith("conv")
+    }
+    copies = [s for s in weights if f"f32[{','.join(map(str, s))}]" in hlo]
+    assert not copies, f"float32 copies of weights {copies}"
+    assert "f32[3,2,40,32]" in narrow.decode_hlo(GREEDY).replace("bf16[3,2,40,32]", "")  # what it avoids
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    a, b = wide.generate(prompts, params), narrow.generate(prompts, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]

@@ -71,8 +71,8 @@ def step_bytes(model: Any, *, batch: int, context: float, max_len: int) -> dict[
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
         name = getattr(path[-1], "key", None)
         nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
-        if name in ("k", "v"):  # [(groups,) B, S, H, D]: per position, all rows
-            per_position = nbytes / leaf.shape[-3]
+        if name in ("k", "v"):  # [(groups,) B, H, S, D]: per position, all rows
+            per_position = nbytes / leaf.shape[-2]
             kv_read += per_position * context
             kv_write += per_position
         elif name in ("conv", "state"):

@@ -59,18 +59,23 @@ def attention(
     q_segments: jax.Array | None = None,
     kv_segments: jax.Array | None = None,
     kv_valid: jax.Array | None = None,
+    heads_first: bool = False,
+    probs_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention.
 
-    q `[B, T, Hq, D]`; k, v `[B, S, Hkv, D]`; positions `[B, T]` / `[B, S]` decide causality
-    (a key is visible when its position ≤ the query's); optional segment ids forbid attention
-    across packed sequences; `kv_valid` `[B, S]` marks filled cache slots. Returns `[B, T, Hq, D]`.
+    q `[B, T, Hq, D]`; k, v `[B, S, Hkv, D]` (`[B, Hkv, S, D]` with `heads_first`, the decode
+    cache's layout); positions `[B, T]` / `[B, S]` decide causality (a key is visible when its
+    position ≤ the query's); optional segment ids forbid attention across packed sequences;
+    `kv_valid` `[B, S]` marks filled cache slots. The probabilities are rounded to `probs_dtype`
+    (default v's dtype) before they weight v. Returns `[B, T, Hq, D]`.
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1 if heads_first else 2]
+    kv = "bkud" if heads_first else "bukd"
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]: query heads grouped by their kv head
     with jax.named_scope("scores"):
-        s = jnp.einsum("btkgd,bukd->bkgtu", qg, k, preferred_element_type=compute_dtype(q))
+        s = jnp.einsum(f"btkgd,{kv}->bkgtu", qg, k, preferred_element_type=compute_dtype(q))
         s = s * (d**-0.5)
     with jax.named_scope("mask"):
         mask = kv_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
@@ -79,8 +84,8 @@ def attention(
         if kv_valid is not None:
             mask &= kv_valid[:, None, :]
         s = jnp.where(mask[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgtu,bukd->btkgd", p, v)
+    p = jax.nn.softmax(s, axis=-1).astype(probs_dtype or v.dtype)
+    o = jnp.einsum(f"bkgtu,{kv}->btkgd", p, v)
     return o.reshape(b, t, hq, d)
 
 

@@ -216,29 +216,26 @@ class GatedAttention(nnx.Module):
         else:
             t = x.shape[1]
             with jax.named_scope("cache_update"):
-                # Row b writes its T new entries at slots lengths[b] .. lengths[b] + T - 1; a row
-                # outside `active` writes back what those slots held (T slots, not its whole cache).
-                write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
-                read = jax.vmap(lambda c, i: jax.lax.dynamic_slice(c, (i, 0, 0), (t, *c.shape[1:])))
-
-                def update(c: jax.Array, new: jax.Array) -> jax.Array:
-                    new = new.astype(c.dtype)
-                    if active is not None:
-                        new = jnp.where(active[:, None, None, None], new, read(c, lengths))
-                    return write(c, new, lengths)
-
-                ck, cv = update(cache["k"], k), update(cache["v"], v)
-            s = ck.shape[1]
+                # The cache is head-major, [B, Hkv, S, d]. Row b writes its T new entries at slots
+                # lengths[b] .. lengths[b] + T - 1; a row outside `active` writes back what those
+                # slots held (T slots, not its whole cache).
+                ck = write_slots(cache["k"], jnp.swapaxes(k, 1, 2), lengths, active)
+                cv = write_slots(cache["v"], jnp.swapaxes(v, 1, 2), lengths, active)
+            s = ck.shape[2]
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x.shape[0], s))
             q_slots = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+            # A float32 cache of a bf16 model (the engine's on the CPU) holds the bf16 values
+            # exactly: the products and the one rounding of the probabilities are the same.
             o = attention(
                 q,
-                ck.astype(q.dtype),
-                cv.astype(q.dtype),
+                ck,
+                cv,
                 q_positions=q_slots,
                 kv_positions=slots,
                 kv_valid=slots < (lengths[:, None] + t),
-            )
+                heads_first=True,
+                probs_dtype=q.dtype,
+            ).astype(q.dtype)
             new_cache = {"k": ck, "v": cv}
         o = o * jax.nn.sigmoid(gate)
         return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2, **kw), new_cache
@@ -385,10 +382,23 @@ class DecoderLayer(nnx.Module):
         return checkpoint_name(h, "layer_out"), cache
 
 
+def write_slots(cache: jax.Array, new: jax.Array, lengths: jax.Array, active: jax.Array | None) -> jax.Array:
+    """`cache` `[B, H, S, d]` with row b's `new` `[B, H, T, d]` at slots lengths[b] + [0, T), rows
+    outside `active` (if given) rewritten with what they held (T slots, not the whole row)."""
+    t = new.shape[2]
+    new = new.astype(cache.dtype)
+    if active is not None:
+        read = jax.vmap(lambda c, i: jax.lax.dynamic_slice(c, (0, i, 0), (c.shape[0], t, c.shape[2])))
+        new = jnp.where(active[:, None, None, None], new, read(cache, lengths))
+    return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))(cache, new, lengths)
+
+
 def init_layer_cache(cfg: QwenConfig, layer_type: str, batch: int, max_len: int, dtype: jnp.dtype) -> Cache:
-    """Zeros for one layer: KV `[B, S, Hkv, d]` (attention) or conv window + state (DeltaNet)."""
+    """Zeros for one layer: KV `[B, Hkv, S, d]` (attention; heads before slots, so a row's head reads
+    its slots contiguously and decode attention needs no transposed copy of the cache) or conv
+    window + state (DeltaNet)."""
     if layer_type == FULL:
-        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     channels = 2 * cfg.linear_key_dim + cfg.linear_value_dim
     return {

@@ -41,7 +41,8 @@ from jaxpi.models.unstack import unstack_layers, unstack_state
 from jaxpi.rollout.engine import Completion, SamplingParams, Session
 from jaxpi.rollout.sampling import sample_tokens
 
-# Backends on which the engine unstacks the layer groups by default (see `JaxEngine`).
+# Backends on which the engine unstacks the layer groups and keeps a 16-bit model's KV cache in
+# float32 by default (see `JaxEngine`).
 UNSTACK_ON = ("cpu",)
 
 
@@ -92,7 +93,7 @@ class JaxEngine:
     `max_len` bounds each session's context (prompt + turns + observations); a turn that would
     overflow it ends with finish_reason "length". `batch_size` is the number of sessions that can
     be live at once (and the batch every compiled call runs). `dtype` is the KV cache dtype
-    (default: the model's). `update_weights` swaps in new weights of the same shapes without
+    (default: the model's; float32 for a 16-bit model on the CPU). `update_weights` swaps in new weights of the same shapes without
     recompiling (a model, or a state, in the caller's layout).
 
     `unstack` (default: on the CPU) runs the model with its scanned layer groups unstacked
@@ -128,6 +129,11 @@ class JaxEngine:
             model = unstack_layers(model)
         self._graphdef, state = nnx.split(model)
         self._state = _detach(state)
+        if dtype is None and jax.default_backend() in UNSTACK_ON and jnp.dtype(model.dtype).itemsize < 4:
+            # XLA:CPU converts a 16-bit cache to float32 whole for each write (a scatter) and
+            # each read (the attention's dots), every token: float32 holds the model's bf16 keys
+            # and values exactly, at twice the bytes.
+            dtype = jnp.float32
         self._cache = model.init_cache(batch_size, max_len, dtype)
         # Next-token logits and log-probs in at least float32 (bf16 upcast); a float64 model keeps
         # float64, so numerical checks of the engine against the trainer see no float32 floor.
