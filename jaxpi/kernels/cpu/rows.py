@@ -1,0 +1,103 @@
+"""`rows_bf16(x, w)`: float32 `x · w` for x `[M ≤ 8, K]` and w `[K, N]` in bf16, as the XLA FFI custom
+call of `rows_bf16.cc` (AVX-512), the library built on first use.
+
+The library is compiled with the system's C++ compiler into `$JAXPI_KERNEL_CACHE` (default
+`$XDG_CACHE_HOME/jaxpi/kernels`, else `~/.cache/jaxpi/kernels`), named by a digest of the source,
+the flags, the compiler and jaxlib, and renamed into place when complete, so processes share one
+build. `available()` is False, and callers use XLA's own product, when the kernels are switched
+off (`JAXPI_CPU_KERNELS=off`), the backend is not the CPU, the CPU lacks AVX-512, or the build
+fails (then with one warning naming the reason); `dense` also skips it under a mesh, where XLA's
+partitioner would have to split a custom call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+SOURCE = Path(__file__).with_name("rows_bf16.cc")
+TARGET = "jaxpi_rows_bf16"
+MAX_ROWS = 8  # the kernel's limit (kMaxRows)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+SWITCH = "JAXPI_CPU_KERNELS"  # "off" / "0" / "false": never build or use the native kernels
+CACHE = "JAXPI_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE):
+        return Path(os.environ[CACHE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxpi" / "kernels"
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def build() -> Path:
+    """The compiled library's path, compiling it first if this source, these flags, this compiler
+    and this jaxlib have no build yet."""
+    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode()]
+        )
+    ).hexdigest()[:16]
+    out = cache_dir() / f"rows_bf16-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        os.replace(tmp, out)  # atomic: another process sees no library or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `rows_bf16` can run here (built, loaded and registered once per process)."""
+    if os.environ.get(SWITCH, "").lower() in ("0", "off", "false"):
+        return False
+    if jax.default_backend() != "cpu":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        warnings.warn(
+            f"jaxpi: the native CPU kernel did not build ({detail[-400:]}); using XLA's", stacklevel=2
+        )
+        return False
+    if not lib.jaxpi_rows_bf16_supported():
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpiRowsBf16), platform="cpu")
+    return True
+
+
+def rows_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x · w` in float32: x `[M, K]` (1 ≤ M ≤ `MAX_ROWS`), w `[K, N]`, both bf16. Call only when
+    `available()`."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"rows_bf16 takes x [M <= {MAX_ROWS}, K] and w [K, N], got {x.shape} and {w.shape}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"rows_bf16 takes bf16 operands, got {x.dtype} and {w.dtype}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)

@@ -1,0 +1,165 @@
+// y[M, N] (float32) = x[M, K] (bf16) . w[K, N] (bf16, row-major): a product of a few rows with a
+// weight, the decode step's projections, as an XLA FFI custom call for the CPU (AVX-512).
+//
+// A decode step at a small batch reads every weight once and does ~M multiply-adds per weight:
+// its speed is the rate at which the weight streams from memory. The weight is read as stored,
+// row after row (a row's columns are contiguous: the hardware prefetchers follow), each bf16
+// widened to float32 by a 16-bit shift, and the M products accumulated in float32 in a partial y
+// (four weight rows per pass over it). The rows are cut into blocks of 256 that the calling thread
+// and helper tasks on XLA's intra-op pool claim one by one, so no block waits on a busy helper.
+//
+// Summation: in float32, k ascending within a block, then the blocks' sums in block order: the
+// same bits whichever thread ran which block.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kBlock = 256;  // weight rows per task (and per partial sum)
+
+// 16 bf16 as float32: the bits shifted into the high half. Full vectors use unmasked loads and
+// stores: on AMD Zen an AVX-512 masked store runs several times slower than a plain one (it
+// halved this kernel's rate when every store was masked), so masks are for the last columns.
+inline __m512 widen(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 widen(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline float widen1(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// acc[m, n:n+16] += sum_j xs[m][j] * w[k + j, n:n+16] for j < 4 (r = &w[k, 0]).
+template <bool kTail>
+inline void four_rows(const uint16_t* r, int64_t n_dim, int64_t n, __mmask16 mask, const float (*xs)[4],
+                      float* acc, int64_t m_rows) {
+  __m512 w4[4];
+  for (int j = 0; j < 4; ++j) w4[j] = kTail ? widen(r + j * n_dim + n, mask) : widen(r + j * n_dim + n);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float* y = acc + m * n_dim + n;
+    __m512 s = kTail ? _mm512_maskz_loadu_ps(mask, y) : _mm512_loadu_ps(y);
+    for (int j = 0; j < 4; ++j) s = _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), w4[j], s);
+    if (kTail) {
+      _mm512_mask_storeu_ps(y, mask, s);
+    } else {
+      _mm512_storeu_ps(y, s);
+    }
+  }
+}
+
+// acc[M, N] += x[:, k0:k1] . w[k0:k1, :], the weight's rows read in order.
+void block(const uint16_t* x, const uint16_t* w, float* acc, int64_t m_rows, int64_t k_dim, int64_t n_dim,
+           int64_t k0, int64_t k1) {
+  const int64_t full = n_dim / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n_dim - full)) - 1);
+  float xs[kMaxRows][4];
+  for (int64_t k = k0; k < k1; k += 4) {
+    const int64_t rows = std::min<int64_t>(4, k1 - k);
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (int j = 0; j < 4; ++j) xs[m][j] = j < rows ? widen1(x[m * k_dim + k + j]) : 0.0f;
+    const uint16_t* r = w + k * n_dim;
+    if (rows == 4) {
+      for (int64_t n = 0; n < full; n += 16) four_rows<false>(r, n_dim, n, 0xFFFF, xs, acc, m_rows);
+      if (full < n_dim) four_rows<true>(r, n_dim, full, tail, xs, acc, m_rows);
+      continue;
+    }
+    for (int64_t j = 0; j < rows; ++j) {  // the block's last 1-3 rows, one at a time
+      for (int64_t n = 0; n < n_dim; n += 16) {
+        const __mmask16 mask = n < full ? static_cast<__mmask16>(0xFFFF) : tail;
+        const __m512 a = widen(r + j * n_dim + n, mask);
+        for (int64_t m = 0; m < m_rows; ++m) {
+          float* y = acc + m * n_dim + n;
+          const __m512 s = _mm512_maskz_loadu_ps(mask, y);
+          _mm512_mask_storeu_ps(y, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), a, s));
+        }
+      }
+    }
+  }
+}
+
+// The blocks of weight rows, claimed one by one by the calling thread and its helpers. Each block
+// sums into its own partial y and the caller adds the partials in block order, so y does not
+// depend on which thread took which block.
+struct Work {
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t m, k, n, blocks;
+  std::vector<float> partial;  // [blocks, M, N]
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1)) < blocks;) {
+      block(x, w, partial.data() + c * m * n, m, k, n, c * kBlock, std::min(k, (c + 1) * kBlock));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error RowsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] < 1 || xd[0] > kMaxRows)
+    return ffi::Error::InvalidArgument("rows_bf16: x [M, K] with 1 <= M <= 8 and w [K, N] expected");
+  auto work = std::make_shared<Work>();
+  work->x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  work->w = reinterpret_cast<const uint16_t*>(w.typed_data());
+  work->m = xd[0];
+  work->k = xd[1];
+  work->n = wd[1];
+  work->blocks = (work->k + kBlock - 1) / kBlock;
+  work->partial.assign(static_cast<size_t>(work->blocks * work->m * work->n), 0.0f);
+  // One helper per other pool thread. A helper that starts after every block is claimed returns
+  // at once: it keeps the Work alive, never touches the buffers, and nobody waits for it (two of
+  // these calls running side by side on a pool of two never wait on each other's helpers).
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->blocks) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->blocks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  const int64_t size = work->m * work->n;
+  float* out = y->typed_data();
+  std::memcpy(out, work->partial.data(), sizeof(float) * size);
+  for (int64_t c = 1; c < work->blocks; ++c) {
+    const float* p = work->partial.data() + c * size;
+    for (int64_t i = 0; i < size; ++i) out[i] += p[i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiRowsBf16, RowsBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether this CPU runs the kernel's instructions (AVX-512 F and BW).
+extern "C" int jaxpi_rows_bf16_supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}

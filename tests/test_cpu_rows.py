@@ -1,0 +1,71 @@
+"""The native CPU kernel for products of a few rows with a bf16 weight (`jaxpi.kernels.cpu.rows`)
+against float64, its use by `dense`, and the switch that turns it off."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpi.kernels.cpu import rows
+from jaxpi.kernels.dense import NATIVE_ROWS, dense
+
+AVX512 = "avx512bw" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+pytestmark = pytest.mark.skipif(not AVX512, reason="the kernel needs AVX-512 (F, BW)")
+
+
+def test_the_kernel_builds_and_registers():
+    assert rows.available(), "no native kernel on an AVX-512 CPU: see the warning for the build error"
+    assert any(p.name.startswith("rows_bf16-") for p in rows.cache_dir().iterdir())
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(m=st.integers(1, 8), k=st.integers(1, 600), n=st.integers(1, 70), seed=st.integers(0, 3))
+def test_rows_times_weight_against_float64(m, k, n, seed):
+    """Every shape the blocking can meet: K across 256-row blocks and with 1-3 rows over a multiple
+    of 4, N with a partial last vector of 16."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    got = np.asarray(jax.jit(rows.rows_bf16)(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    # float32 sums of k exact products: error within k·2^-24 of the sum of magnitudes
+    bound = k * 2.0**-24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))) + 1e-30
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    assert np.all(np.abs(got - want) <= bound)
+    # the same bits on every call, whichever thread ran which block of rows
+    np.testing.assert_array_equal(np.asarray(jax.jit(rows.rows_bf16)(x, w)), got)
+
+
+def test_dense_sends_few_rows_to_the_kernel():
+    w = jax.ShapeDtypeStruct((64, 4, 8), jnp.bfloat16)
+
+    def hlo(rows_, dtype=jnp.bfloat16):
+        x = jax.ShapeDtypeStruct((rows_, 1, 64), dtype)
+        return jax.jit(lambda x, w: dense("btd,dhk->bthk", x, w)).lower(x, w).as_text()
+
+    assert rows.TARGET in hlo(1) and rows.TARGET in hlo(NATIVE_ROWS)
+    assert rows.TARGET not in hlo(NATIVE_ROWS + 1)
+    # a product with an axis in both operands (h) is not rows times the weight as stored
+    x1 = jax.ShapeDtypeStruct((1, 4, 64), jnp.bfloat16)
+    shared = jax.jit(lambda x, w: dense("bhd,dhk->bhk", x, w)).lower(x1, w).as_text()
+    assert rows.TARGET not in shared
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 2, 3)), jnp.bfloat16)
+    wo = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)), jnp.bfloat16)
+    got = dense("bthk,hkd->btd", x, wo, n_in=2)
+    want = jnp.einsum("bthk,hkd->btd", x.astype(jnp.float32), wo.astype(jnp.float32)).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7)
+    with pytest.raises(ValueError, match="rows_bf16 takes"):
+        rows.rows_bf16(jnp.zeros((9, 4), jnp.bfloat16), jnp.zeros((4, 2), jnp.bfloat16))
+
+
+def test_the_switch_turns_the_kernel_off():
+    code = "from jaxpi.kernels.cpu import rows; print(rows.available())"
+    env = {"JAXPI_CPU_KERNELS": "off", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
