@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxpi import TINY, load_hf
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rollout import Completion, JaxEngine, RolloutEngine, SamplingParams
-from jaxpi.rollout.sampling import nucleus_logprobs, sample_tokens
+from jaxpi.rollout.sampling import first_argmax, nucleus_logprobs, sample_tokens
 
 CFG = TINY.replace(num_hidden_layers=9)
 FWD = jax.jit(lambda m, x: m(x))
@@ -293,3 +295,11 @@ def test_a_bf16_engine_on_the_cpu_reads_its_weights_and_cache_as_stored():
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     a, b = wide.generate(prompts, params), narrow.generate(prompts, params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 300), levels=st.integers(1, 4), seed=st.integers(0, 9))
+def test_first_argmax_is_argmax_ties_included(rows, vocab, levels, seed):
+    # few distinct values, so most rows hold their maximum several times: the first one wins
+    x = np.random.default_rng(seed).integers(0, levels, (rows, vocab)).astype(np.float32)
+    np.testing.assert_array_equal(jax.jit(first_argmax)(x), np.argmax(x, axis=-1))

@@ -44,6 +44,15 @@ def nucleus_logprobs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """`argmax` over the last axis (the first index of the largest value, as `jnp.argmax`) from
+    two plain reductions: XLA:CPU's fused (value, index) reduction of `jnp.argmax` took 2.4 ms
+    for [16, 32768] float32 where these take 0.35 ms (13.5 and 2.7 ms at 64 rows)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
+
+
 def sample_tokens(
     keys: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -56,7 +65,7 @@ def sample_tokens(
     at = lambda lp, tokens: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
 
     def greedy() -> tuple[jax.Array, jax.Array]:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(logits)
         return tokens, jnp.zeros(tokens.shape, logits.dtype)
 
     def draw() -> tuple[jax.Array, jax.Array]:
