@@ -68,7 +68,7 @@ DECODE_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: q/k/v projections, norms, rope", ("/qkv",)),
     ("mlp", ("/mlp",)),
     ("mixer, other (o_proj, residual, norms)", ("/mixer",)),
-    ("LM head (and the engine's copy of its logits)", ("btd,dv->btv", "next_logits")),
+    ("LM head (and the engine's copy of its logits)", ("btd,dv->btv", "lm_head", "next_logits")),
     ("layer-group slicing", ("dynamic_slice", "dynamic_update_slice", "layer_groups")),
 )
 

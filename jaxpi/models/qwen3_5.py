@@ -164,7 +164,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
         """`inference` (never differentiated): float32 accumulation, rounded once (`dense`)."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         # Logits in the activation dtype (as transformers); the loss upcasts to float32.
-        logits = dense("btd,dv->btv", hidden, w) if inference else jnp.einsum("btd,dv->btv", hidden, w)
+        with jax.named_scope("lm_head"):
+            logits = dense("btd,dv->btv", hidden, w) if inference else jnp.einsum("btd,dv->btv", hidden, w)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def hidden_states(
