@@ -423,7 +423,8 @@ def collected(workdir, task, sft_ckpt):
     overrides = {
         "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
         "env": {"name": "pi", "tasks_dir": str(workdir / "tasks")},
-        "reward": {"kind": "binary", "levels": [LEVEL]},
+        # the TwIL-8B-pi card's tool-efficiency bonus rides along (a group of one success: bonus 0)
+        "reward": {"kind": "binary", "levels": [LEVEL], "tool_bonus": 0.1},
         "collect": {
             "tasks": 1,
             "group": 1,
