@@ -341,7 +341,11 @@ def test_untrained_attempt_records_pis_real_request(untrained):
     req = call["request"]
     assert [t["function"]["name"] for t in req["tools"]] == ["bash"]
     # Pi's system prompt names the working directory (1.x in a <cwd> section of its own).
-    cwd = "<cwd>\n/workspace\n</cwd>" if find_pi().version.startswith("1.") else "Current working directory: /workspace"
+    cwd = (
+        "<cwd>\n/workspace\n</cwd>"
+        if find_pi().version.startswith("1.")
+        else "Current working directory: /workspace"
+    )
     assert req["messages"][0]["role"] == "system" and cwd in req["messages"][0]["content"]
     assert req["temperature"] == 0.0 and req["seed"] == 0  # set by the runner's Pi extension
     assert len(call["prompt_token_ids"]) > 1000  # Pi's system prompt and tool schema, rendered

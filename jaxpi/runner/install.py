@@ -88,7 +88,9 @@ def node_package(machine: str | None = None) -> str:
     m = (machine or platform.machine()).lower()
     arch = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(m)
     if arch is None or platform.system() != "Linux":
-        raise RuntimeError(f"no Node.js package for {platform.system()} {m}: Pi runs on Linux x86_64 or aarch64")
+        raise RuntimeError(
+            f"no Node.js package for {platform.system()} {m}: Pi runs on Linux x86_64 or aarch64"
+        )
     return f"node-linux-{arch}"
 
 
@@ -174,11 +176,15 @@ def find_pi(prefix: str | Path | None = None) -> PiInstall:
     meta = _package_json(p, node_package())
     node = p / "node_modules" / node_package() / "bin" / "node"
     if meta is None or not node.is_file():
-        raise FileNotFoundError(f"Pi {version} under {p} has no Node.js of its own: reinstall with `jaxpi pi setup --force`")
+        raise FileNotFoundError(
+            f"Pi {version} under {p} has no Node.js of its own: reinstall with `jaxpi pi setup --force`"
+        )
     bin_entry = (_package_json(p, package) or {}).get("bin")
     entry = bin_entry.get("pi") if isinstance(bin_entry, dict) else bin_entry
     if not isinstance(entry, str) or not (p / "node_modules" / package / entry).is_file():
-        raise FileNotFoundError(f"{package}@{version} under {p} has no `pi` entry point: reinstall with `jaxpi pi setup --force`")
+        raise FileNotFoundError(
+            f"{package}@{version} under {p} has no `pi` entry point: reinstall with `jaxpi pi setup --force`"
+        )
     return PiInstall(prefix=p, node=node, release=rel, entry=os.path.normpath(entry))
 
 
@@ -214,7 +220,9 @@ def pi_setup(
         # records no absolute paths, so the tree works once renamed into place.
         cmd = [npm, "install", "--prefix", str(tmp), "--no-audit", "--no-fund", "--save-exact"]
         proc = subprocess.run(
-            [*cmd, f"{rel.package}@{rel.version}", f"{node_pkg}@{NODE_VERSION}"], capture_output=True, text=True
+            [*cmd, f"{rel.package}@{rel.version}", f"{node_pkg}@{NODE_VERSION}"],
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             raise RuntimeError(f"npm install of {rel.package}@{rel.version} failed:\n{proc.stderr[-4000:]}")
@@ -224,7 +232,9 @@ def pi_setup(
         node = tmp / "node_modules" / node_pkg / "bin" / "node"
         have = node_version(node)
         if have[:2] < rel.min_node:
-            raise RuntimeError(f"{node} is Node {'.'.join(map(str, have))}; Pi {rel.version} needs >= {rel.min_node}")
+            raise RuntimeError(
+                f"{node} is Node {'.'.join(map(str, have))}; Pi {rel.version} needs >= {rel.min_node}"
+            )
         write_text(tmp / _STAMP, json.dumps(want))
     return _info(p, rel, find_pi(p).node, installed_now=True)
 
