@@ -491,6 +491,10 @@ def test_pi_solves_the_task_with_a_real_tool_call(collected):
     assert stats["samples"] == 1 and stats["splits"] == 0 and traj.admitted and traj.success
     # The record counts what Pi ran by tool, and the gateway's two call records; GRPO carries the total.
     assert rec.tool_calls == {"bash": 1} and rec.model_calls == 2 and traj.tool_calls == 1
+    assert rec.pi == f"@earendil-works/pi-coding-agent@{PI_VERSION}" and rec.settings["temperature"] == 0.0
+    # The verifier's outcome lies beside the session, so the attempt directory is SFT data as it is.
+    sidecar = json.loads((detail / "session.jsonl.meta.json").read_text())
+    assert sidecar == {"task_id": "hello-file", "verified": True, "effort": LEVEL}
 
 
 @needs_pi

@@ -10,7 +10,7 @@ The checkpoint's LM head is then solved to replay a two-turn script on exactly t
 answer), and a second attempt runs Pi against the scripted model at temperature 0: Pi issues the
 call, it runs in the sandbox, the verifier passes. What that attempt left is the fixture:
 
-    <out>/<version>/session.jsonl   Pi's session file
+    <out>/<version>/session.jsonl   Pi's session file (and the runner's .meta.json sidecar beside it)
     <out>/<version>/events.jsonl    Pi's `--mode json` stream
     <out>/<version>/calls.json      the gateway's records: each call's request, prompt and
                                     completion token ids, finish reason, effort
@@ -146,6 +146,7 @@ def record(version: str, out: str | Path, workdir: str | Path) -> dict[str, Any]
     }
     with atomic_dir(Path(out) / version, overwrite=True) as tmp:
         shutil.copyfile(runs / "session.jsonl", tmp / "session.jsonl")
+        shutil.copyfile(runs / "session.jsonl.meta.json", tmp / "session.jsonl.meta.json")
         shutil.copyfile(runs / "events.jsonl", tmp / "events.jsonl")
         calls = [{k: c[k] for k in keep} for c in rec.calls]
         (tmp / "calls.json").write_text(json.dumps(calls, indent=1) + "\n")
