@@ -13,6 +13,7 @@ describe (0 and the last) under the same eval/ keys.
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -340,18 +341,17 @@ def _free_port() -> int:
 
 
 def _cluster_pids(port: int) -> list[int]:
-    """Processes of the cluster whose GCS listens on `port` (and of no other cluster)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            args = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if f"127.0.0.1:{port}" in args or f"--gcs_server_port={port}" in args:
-            out.append(int(d.name))
-    return out
+    """Processes of the cluster whose GCS listens on `port`, and of no other cluster: those given
+    its GCS address or port, and those of its session directory (log monitors, agents)."""
+    procs = {int(d.name): _cmdline(d) for d in Path("/proc").iterdir() if d.name.isdigit()}
+    mine = re.compile(rf"--gcs[-_]address=\S*:{port}\b|--gcs_server_port={port}\b")
+    sessions = {
+        m.group(0)
+        for a in procs.values()
+        if mine.search(a)
+        for m in re.finditer(r"/tmp/ray/session_[\w-]+", a)
+    }
+    return [p for p, a in procs.items() if mine.search(a) or any(s in a for s in sessions)]
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,9 @@ def connect(address: str = "", *, cpus: int | None = None) -> Iterator[ClusterIn
         if address:
             ray.init(address=address, **kw)
         else:
-            ray.init(num_cpus=cpus, include_dashboard=False, **kw)
+            # "local": a new cluster, never one a `ray start` left on this machine (which
+            # ray.init() without an address would join).
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kw)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise FleetError(f"cannot reach the Ray cluster at {address or 'a new local one'}: {e}") from e
     try:
