@@ -91,6 +91,7 @@ class FleetCollector:
             self.workers: list[Any] = []
             self.alive: list[bool] = []
             self.starting: dict[Any, int] = {}  # info() ref of a worker not yet known alive -> index
+            self._start_failures = 0
             for _ in range(cfg.collect.ray_workers):
                 self._spawn()
             self._wait_for_workers()
@@ -124,7 +125,13 @@ class FleetCollector:
             try:
                 self.ray.get(ref)
                 self.alive[index] = True
+                self._start_failures = 0
             except self.ray.exceptions.RayError as e:
+                self._start_failures += 1
+                if self._start_failures > self.cfg.collect.worker_retries:
+                    # Not a lost process but a worker that cannot start (a base it cannot read, a
+                    # broken install): say why instead of starting it forever.
+                    raise FleetError(f"rollout workers fail to start: {task_error_text(e)}") from e
                 self.log(f"fleet: worker {index} failed to start ({type(e).__name__}); starting another")
                 self._spawn(index)
 
@@ -192,7 +199,10 @@ class FleetCollector:
                 flight = handle.flights.pop(ref)
                 try:
                     res: WaveResult = self.ray.get(ref)
-                except self.ray.exceptions.RayError as e:
+                except self.ray.exceptions.RayTaskError as e:
+                    # The wave's own code raised (a bug, bad input): the same again elsewhere.
+                    raise FleetError(f"a rollout worker failed on a wave: {task_error_text(e)}") from e
+                except self.ray.exceptions.RayError as e:  # the process or its node is gone
                     self._worker_lost(flight.worker, e)
                     if flight.tries > retries:
                         handle.lost[flight.index] = (
@@ -273,6 +283,12 @@ class FleetCollector:
             with contextlib.suppress(Exception):  # a worker already gone
                 self.ray.kill(w)
         self._cluster_cm.__exit__(None, None, None)
+
+
+def task_error_text(e: Exception) -> str:
+    """The error a Ray task raised, in one line (not Ray's traceback around it)."""
+    cause = getattr(e, "cause", None) or e
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
 
 
 def _lost(task: Any, level: str, why: str, index: int) -> Trajectory:

@@ -43,7 +43,8 @@ from flax import nnx
 from jaxpi.atomic import write_text
 from jaxpi.envs.agent_loop import Trajectory
 from jaxpi.rl.config import GRPOConfig
-from jaxpi.rl.fleet.cluster import ClusterInfo, connect, ray_module
+from jaxpi.rl.fleet.cluster import ClusterInfo, FleetError, connect, ray_module
+from jaxpi.rl.fleet.collector import task_error_text
 from jaxpi.rl.pi_env import PiCollector, PiEnv
 from jaxpi.rollout.jax_engine import JaxEngine
 from jaxpi.runner.attempt import RunnerConfig, run_attempt
@@ -188,7 +189,11 @@ class FleetPiCollector(PiCollector):
                     job = h["flights"].pop(ref)
                     try:
                         got = self.ray.get(ref)
-                    except self.ray.exceptions.RayError as e:
+                    except self.ray.exceptions.RayTaskError as e:
+                        # the attempt's own code raised (a task it cannot unpack, no Pi on the
+                        # node): not a lost worker, and the same again elsewhere
+                        raise FleetError(f"a Pi attempt failed on its worker: {task_error_text(e)}") from e
+                    except self.ray.exceptions.RayError as e:  # the worker process or node is gone
                         self._trace(job.attempt_id)  # close the lost try's token; its calls stay its own
                         if job.tries > retries:
                             h["done"][job.index] = self._lost(job, e)
