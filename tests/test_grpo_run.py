@@ -506,3 +506,24 @@ def test_async_resume_after_sigkill_is_exact(fleet_runs):
         jax.tree.leaves(load_adapter(straight)[0]), jax.tree.leaves(load_adapter(out)[0]), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_workers_that_cannot_start_stop_the_collection_naming_why(ray_cluster, tmp_path, monkeypatch):
+    """A worker that cannot build its engine (here: a base that is not there) is not a lost
+    process to replace forever: after collect.worker_retries failed starts the fleet says why."""
+    from jaxpi.data import TINY_TOKENIZER
+    from jaxpi.rl.config import GRPOConfig
+    from jaxpi.rl.fleet.cluster import FleetError
+    from jaxpi.rl.fleet.collector import FleetCollector
+    from jaxpi.rl.fleet.worker import WorkerSpec
+
+    addr, env = ray_cluster
+    monkeypatch.setenv("RAY_AUTH_MODE", env["RAY_AUTH_MODE"])
+    overrides = [*SMALL, "collect.backend=ray", f"collect.ray_address={addr}", "collect.worker_retries=1"]
+    cfg = load_config(
+        GRPOConfig, ROOT / "configs" / "grpo" / "tiny.yaml", [*overrides, f"output.dir={tmp_path}"]
+    )
+    missing = tmp_path / "no-such-base"
+    spec = WorkerSpec(cfg, str(missing), str(TINY_TOKENIZER), cfg.lora, 6, env=None, render_cfg=None)
+    with pytest.raises(FleetError, match=r"rollout workers fail to start: .*no-such-base"):
+        FleetCollector(cfg, spec, 0, {})
