@@ -137,6 +137,7 @@ SAMPLES: dict[str, Any] = {
     "batch": 2,
     "lora_rank": 8,
     "max_lora_rank": 32,
+    "workers": (2, 3),
 }
 
 
