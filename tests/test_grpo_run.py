@@ -527,3 +527,19 @@ def test_workers_that_cannot_start_stop_the_collection_naming_why(ray_cluster, t
     spec = WorkerSpec(cfg, str(missing), str(TINY_TOKENIZER), cfg.lora, 6, env=None, render_cfg=None)
     with pytest.raises(FleetError, match=r"rollout workers fail to start: .*no-such-base"):
         FleetCollector(cfg, spec, 0, {})
+
+
+def test_bench_fleet_reports_attempts_per_minute(ray_cluster, tmp_path):
+    """`jaxpi bench fleet` runs on a cluster and reports sane fields (the figures are docs', not a test's)."""
+    addr, env = ray_cluster
+    out = tmp_path / "fleet.json"
+    argv = [sys.executable, "-m", "jaxpi.cli", "bench", "fleet", "--workers", "1", "--collections", "1"]
+    argv += ["--ray-address", addr, "--out", str(out), "--json"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report == json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["workers"] == 1 and row["attempts_per_collection"] == 48 and row["waves_per_collection"] == 8
+    assert row["attempts_per_min"] > 0 and row["sampled_tokens_per_s"] > 0 and 0 < row["busy_share"] <= 1.0
+    assert report["env"]["cores"] >= 1 and len(report["env"]["load_avg"]) == 3
