@@ -147,7 +147,7 @@ class Sampler:
                 trajs = self.collector.run(tasks, group, seed, None if progress is None else progress.done)
                 if progress is not None:
                     progress.end()
-                return self.finish(trajs, self.collector.versions, step)
+                return self.finish(trajs, self.collector.versions, step, split)
             except RECOVERABLE as e:
                 lost = len(tasks) * len(self.cfg.reward.levels) * group
                 self._failed(e, split, step, lost, attempt + 1, tries)
@@ -169,12 +169,14 @@ class Sampler:
         return self.finish(trajs, versions, step)
 
     def finish(
-        self, trajs: list[Trajectory], versions: Sequence[int | None], step: int
+        self, trajs: list[Trajectory], versions: Sequence[int | None], step: int, split: str = "train"
     ) -> tuple[list[Trajectory], list[int]]:
         """A collection's trajectories with the stale ones not admitted, and the version behind
-        each (unknown: `step`); the collector's own numbers (`last_stats`) go to the next record."""
+        each (unknown: `step`); the collector's own numbers (`last_stats`) go to the next record,
+        an evaluation's under eval/."""
         versions = [step if v is None else v for v in versions] or [step] * len(trajs)
-        self.pending.update(getattr(self.collector, "last_stats", {}))
+        prefix = "" if split == "train" else f"{split}/"
+        self.pending.update({prefix + k: v for k, v in getattr(self.collector, "last_stats", {}).items()})
         return admit_fresh(trajs, versions, step, self.cfg.collect.max_staleness), versions
 
     def _failed(self, e: Exception, split: str, step: int, lost: int, attempt: int, tries: int) -> None:
