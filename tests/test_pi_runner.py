@@ -44,6 +44,7 @@ from jaxpi.runner.install import PI_VERSION, find_pi
 from jaxpi.runner.pi_config import LEVELS, models_json, settings_json
 from jaxpi.runner.record import AttemptRecord, read_session_summary
 from jaxpi.sandbox import bwrap_path
+from jaxpi.testing import pi_record
 
 
 def _pi_installed() -> bool:
@@ -60,8 +61,7 @@ needs_pi = pytest.mark.skipif(
 
 LEVEL = "low"
 MAX_LEN = 2048
-INSTRUCTION = "Create a file named hello.txt that contains the word hello."
-COMMAND = "echo hello > hello.txt"
+INSTRUCTION, COMMAND = pi_record.INSTRUCTION, pi_record.COMMAND
 # Enough steps that greedy decoding reproduces the session whatever the prompt's length: Pi's
 # system prompt names its install path, so the prompt's tokens depend on the checkout's path (a
 # clone under /tmp/tmp.*/ made it 1573 tokens, /work/main 1534); at 30 steps one such clone
@@ -76,17 +76,7 @@ def free_port() -> int:
 
 
 def write_task(root: Path) -> Path:
-    d = root / "hello-file"
-    (d / "tests").mkdir(parents=True)
-    (d / "solution").mkdir()
-    (d / "instruction.md").write_text(INSTRUCTION + "\n")
-    (d / "task.toml").write_text(
-        '[metadata]\nid = "hello-file"\ncategory = "shell"\ndifficulty = "easy"\n\n'
-        "[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = 512\n\n[verifier]\ntimeout = 20\n"
-    )
-    (d / "tests" / "test.sh").write_text('#!/bin/bash\n[ "$(cat hello.txt 2>/dev/null)" = hello ]\n')
-    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{COMMAND}\n")
-    return d
+    return pi_record.write_task(root, max_tokens=512)
 
 
 # ---- pure parts -------------------------------------------------------------------------------------

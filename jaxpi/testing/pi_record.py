@@ -49,15 +49,16 @@ MAX_LEN = 4096
 CFG = TINY.replace(hidden_size=256, intermediate_size=512)
 
 
-def write_task(root: Path) -> Path:
-    """A one-line shell task: its instruction, limits, verifier and oracle."""
+def write_task(root: Path, *, max_tokens: int = 1024) -> Path:
+    """A one-line shell task: its instruction, limits (`max_tokens` sampled tokens per attempt),
+    verifier and oracle."""
     d = root / "hello-file"
     (d / "tests").mkdir(parents=True, exist_ok=True)
     (d / "solution").mkdir(exist_ok=True)
     (d / "instruction.md").write_text(INSTRUCTION + "\n")
     (d / "task.toml").write_text(
         '[metadata]\nid = "hello-file"\ncategory = "shell"\ndifficulty = "easy"\n\n'
-        "[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = 1024\n\n[verifier]\ntimeout = 20\n"
+        f"[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = {max_tokens}\n\n[verifier]\ntimeout = 20\n"
     )
     (d / "tests" / "test.sh").write_text('#!/bin/bash\n[ "$(cat hello.txt 2>/dev/null)" = hello ]\n')
     (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{COMMAND}\n")
