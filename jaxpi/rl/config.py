@@ -185,6 +185,13 @@ class GRPOConfig:
     output: GRPOOutputConfig = dataclasses.field(default_factory=GRPOOutputConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.base_quant != "none":
+            # the policy's rollouts (JAX engine, vLLM) serve the dense base; a quantized trainer
+            # base would make every importance weight carry the quantization error
+            raise ValueError(
+                f"lora.base_quant={self.lora.base_quant!r}: jaxpi grpo trains on the dense base "
+                "(model.dtype); quantized bases are for jaxpi sft"
+            )
         rows = self.collect.tasks * len(self.reward.levels) * self.collect.group
         if rows % self.train.grad_accum:
             raise ValueError(
