@@ -62,7 +62,7 @@ def _batch():
     return {"input_ids": ids, "segment_ids": seg}
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_quantized_base_computes_its_dequantized_weights(base, kind):
     """The quantized model's loss and LoRA gradients are those of a dense model holding the
     dequantized weights: the dequantize-on-the-fly matmul changes nothing but the storage."""
@@ -83,12 +83,10 @@ def test_quantized_base_computes_its_dequantized_weights(base, kind):
     for (path, a), (_, b) in zip(gq, gd, strict=True):
         a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), path
-    # and the quantization is real: the float base gives another loss
+    # and the quantization is real: the dequantized weights are not the checkpoint's
     _, f = load_hf(base, "float32")
-    _with_adapters(f)
-    graphdef, params = nnx.split(f)
-    lf = float(jax.jit(lambda p, b: next_token_loss(nnx.merge(graphdef, p), **b))(params, batch))
-    assert abs(lf - ld) > 1e-4
+    w_hat, w = d.tail[0].mlp.down_proj[...], f.tail[0].mlp.down_proj[...]
+    assert 0.01 < float(jnp.linalg.norm(w_hat - w) / jnp.linalg.norm(w)) < 0.15
 
 
 def test_only_adapters_are_trained_and_no_weight_is_kept(base):
@@ -170,6 +168,7 @@ def run(base, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_qlora_sft_trains(run):
     """The loss falls; the run records the base format (the export reads it)."""
     records = read_jsonl(run / "metrics.jsonl")
@@ -191,6 +190,7 @@ def _jaxpi_logits(base: Path, run: Path, ids: np.ndarray) -> np.ndarray:
     return np.asarray(forward(state, jnp.asarray(ids)), np.float64)
 
 
+@pytest.mark.slow
 def test_peft_adapter_reloads_on_the_bitsandbytes_base(base, run, tmp_path):
     """The exported adapter, loaded by peft on the base quantized by bitsandbytes (CPU), gives
     jaxpi's logits (the two hold the same codes; measured max |Δ| ~1e-5, float32 rounding)."""
@@ -209,6 +209,7 @@ def test_peft_adapter_reloads_on_the_bitsandbytes_base(base, run, tmp_path):
     assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
 
 
+@pytest.mark.slow
 def test_merged_export_is_the_dequantized_base_plus_adapter(base, run, tmp_path):
     """`--merged` merges into the dequantized nf4 base (what the adapter was trained against) and
     writes BF16; transformers reloads it with jaxpi's QLoRA logits: float32 merged to float32
@@ -229,3 +230,48 @@ def test_merged_export_is_the_dequantized_base_plus_adapter(base, run, tmp_path)
     assert bf16[0] == "bfloat16" and f32[0] == "float32", results
     assert f32[1] < 2e-5, results
     assert bf16[1] < 0.15 and bf16[1] < dense[1] / 4, results
+
+
+def test_plan_of_a_qlora_step():
+    """`jaxpi plan --base-quant nf4` on the 27B (analytic, seconds): the parameters per device are
+    the nf4 base (0.516 byte per quantized weight), the bf16 embedding and LM head and the float32
+    adapters; a third of the bf16 plan's."""
+    from jaxpi.testing.xla import child_env
+
+    argv = [sys.executable, "-m", "jaxpi.cli", "plan", "--model", "qwen3_5_27b", "--mesh", "fsdp=1"]
+    argv += ["--lora-rank", "64", "--no-compile", "--json"]
+    plans = {}
+    for quant in ("none", "nf4"):
+        proc = subprocess.run([*argv, "--base-quant", quant], capture_output=True, text=True, env=child_env())
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        plans[quant] = json.loads(proc.stdout)["analytic"]
+    gib = 1024**3
+    assert (
+        abs(plans["nf4"]["params"] / gib - 18.18) < 0.01 and abs(plans["none"]["params"] / gib - 51.84) < 0.01
+    )
+    assert plans["nf4"]["trainable"] == plans["none"]["trainable"]
+
+
+@pytest.mark.slow
+def test_compiled_plan_of_a_sharded_qlora_step():
+    """The quantized step compiles sharded (fsdp over 4 devices): argument bytes compiled equal the
+    analytic ones, which hold the quantized arrays as sharded."""
+    from jaxpi.testing.xla import child_env
+
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxpi.cli",
+        "plan",
+        "--model",
+        "tiny",
+        "--mesh",
+        "fsdp=4",
+        "--seq-len",
+        "32",
+    ]
+    argv += ["--lora-rank", "4", "--base-quant", "nf4", "--dtype", "float32", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["compiled"]["argument"] == r["analytic"]["argument"] and r["compiled"]["temp"] > 0

@@ -74,7 +74,7 @@ def _bnb(x: np.ndarray, dtype: str):
     return F.quantize_4bit(t, blocksize=64, quant_type="nf4", compress_statistics=True)
 
 
-@settings(max_examples=120, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(weights())
 def test_nf4_codes_and_scales_are_bitsandbytes(drawn):
     x, dtype = drawn
@@ -96,7 +96,7 @@ def test_nf4_codes_and_scales_are_bitsandbytes(drawn):
     assert np.array_equal(nf4.dequantize(ours).astype(NUMPY[dtype]).astype(np.float32), deq)
 
 
-@settings(max_examples=80, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(st.integers(1, 1200), st.integers(0, 2**31), st.floats(-8.0, 8.0))
 def test_8bit_scales_are_bitsandbytes(n, seed, mag):
     """The double quantization's 8-bit step alone: values near zero (below the 65,536-bin table's
@@ -122,15 +122,30 @@ def test_ties_take_the_lower_code():
     assert np.array_equal(nf4.pack(codes), packed.numpy().reshape(-1))
 
 
-@settings(max_examples=60, **SETTINGS)
+def test_full_blocks_multiply_the_ragged_tail_divides():
+    """x = 0.15324634 in a block whose absmax is a = 0.52479148: x / a is exactly the bound between
+    codes 10 and 11 (→ 10), x · (1/a) one ulp above it (→ 11). bitsandbytes multiplies in full
+    blocks and divides in the ragged last one; so does jaxpi (either way round fails here)."""
+    a, x = np.float32(0.5247914791107178), np.float32(0.15324634313583374)
+    full = np.zeros(64, np.float32)
+    full[:2] = [a, x]
+    tail = np.concatenate([full, [a, x]]).astype(np.float32)
+    for values, where, code in ((full, 1, 11), (tail, -1, 10)):
+        codes, _ = nf4.block_codes(values)
+        assert codes[where] == code
+        packed, _ = _bnb(values, "float32")
+        assert np.array_equal(nf4.pack(codes), packed.numpy().reshape(-1))
+
+
+@settings(max_examples=30, **SETTINGS)
 @given(st.integers(1, 40), st.integers(1, 70), st.integers(0, 2**31), st.floats(-4.0, 3.0))
 def test_int8_is_bitsandbytes(rows, cols, seed, mag):
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, cols)) * 10.0**mag).astype(np.float32)
     w[rng.integers(0, rows)] = 0.0  # a zero row
-    if cols > 1:  # a tie: 0.5 · 127 = 63.5 rounds half to even (64), not away from zero
+    if cols > 1:  # a tie: absmax 127 scales by exactly 1, and 62.5 rounds half to even (62)
         w[0] = 0.0
-        w[0, :2] = [1.0, 0.5]
+        w[0, :2] = [127.0, 62.5]
     t = int8.quantize(w)
     cb, scb, _ = F.int8_vectorwise_quant(torch.from_numpy(w).to(torch.float16))
     assert np.array_equal(t.codes, cb.numpy())
@@ -169,7 +184,7 @@ def test_round_trip():
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_jax_dequantize_is_the_reference(rows, n_in, parts, in_shape, kind):
     """Each stored part dequantized in JAX (float32 and bf16) equals its rows of the host reference,
-    bit for bit (the FMA guard of `_scales` included: without it XLA:CPU changes last bits)."""
+    bit for bit."""
     rng = np.random.default_rng(rows + n_in)
     w = (rng.standard_normal((rows, n_in)) * 0.03).astype(np.float32)
     t = nf4.quantize(w) if kind == "nf4" else int8.quantize(w)
@@ -182,6 +197,35 @@ def test_jax_dequantize_is_the_reference(rows, n_in, parts, in_shape, kind):
         for dtype in (jnp.float32, jnp.bfloat16):
             got = np.asarray(dequantize({k: jnp.asarray(v) for k, v in arrays.items()}, layout, dtype))
             assert np.array_equal(got, want.astype(dtype)), (kind, dtype, (r0, r1))
+
+
+FMA_CHECK = """
+import numpy as np, jax.numpy as jnp
+from jaxpi.quant import nf4
+from jaxpi.quant.stored import dequantize, layout_for, nf4_part
+w = (np.random.default_rng(0).standard_normal((256, 512)) * 0.03).astype(np.float32)
+t = nf4.quantize(w)
+layout = layout_for("nf4", (512,), (256,), rows=(0, 256), total_rows=256)
+got = dequantize({k: jnp.asarray(v) for k, v in nf4_part(t, layout).items()}, layout, jnp.float32)
+print(int((np.asarray(got) != nf4.dequantize(t).T).sum()))
+"""
+
+
+def test_dequantize_is_exact_under_xla_default_optimisation():
+    """At XLA's default optimisation LLVM contracts `DYNAMIC[c]·s + offset` into an FMA (9,539 of
+    131,072 weights changed here without the guard in `_scales`); the suite's level 0 does not,
+    so this check runs in a child process at the default level."""
+    import subprocess
+    import sys
+
+    from jaxpi.testing.xla import child_env
+
+    env = child_env(fast_compile=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", FMA_CHECK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "0", proc.stdout
 
 
 def test_layout_refusals():
