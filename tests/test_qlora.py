@@ -135,6 +135,45 @@ def test_quantized_arrays_are_sharded_like_their_weights():
     assert qs[(*q_proj, "absmax")] == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
 
 
+@pytest.mark.parametrize(
+    "mesh_spec,strategy",
+    [("fsdp=4", "fsdp"), pytest.param("fsdp=2,tensor=2", "fsdp_tp", marks=pytest.mark.slow)],
+)
+def test_sharded_qlora_step_is_one_devices(base, mesh_spec, strategy):
+    """The quantized base loaded onto a mesh (codes and scales on their weights' shardings) gives the
+    one-device loss and LoRA gradients to float32 rounding; the step gathers the codes and
+    dequantizes after (`QuantizedWeight.gathered`). Measured: loss equal, LoRA gradients at most
+    2.7e-5 relative (median 8.9e-6), where a dense base gives 1.6e-5 (8.2e-6)."""
+    from sharding.mesh import make_mesh
+    from sharding.strategies import loader_shardings, with_activation_constraints
+
+    mesh = make_mesh(mesh_spec, devices=jax.devices()[:4])
+    strat = get_strategy(strategy)
+    loader = loader_shardings(nnx.state(abstract_model(QLORA_TINY, jnp.float32, "nf4")), strat, mesh)
+    batch = {k: np.asarray(v) for k, v in _batch().items()}
+    results = []
+    for shardings in (None, loader):
+        _, model = load_hf(base, "float32", base_quant="nf4", shardings=shardings)
+        _with_adapters(model)
+        graphdef, params = nnx.split(model)
+        fn = loss_and_grads(graphdef, trainable=LoRAParam)
+        if shardings is not None:
+            fn = with_activation_constraints(fn, strat, mesh)
+            spec = model.tail[0].mlp.gate_proj.codes.get_value().sharding.spec
+            assert (
+                spec
+                == param_shardings(nnx.state(model), strat, mesh)["tail"][0]["mlp"]["gate_proj"]["codes"]
+                .get_value()
+                .spec
+            )
+        loss, grads = jax.jit(fn)(params, batch)
+        results.append((float(loss), [np.asarray(v.get_value()) for _, v in nnx.to_flat_state(grads)]))
+    (l1, g1), (l2, g2) = results
+    assert abs(l1 - l2) <= 1e-6 * abs(l1)
+    errors = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(g1, g2, strict=True)]
+    assert max(errors) < 1e-4 and np.median(errors) < 2e-5, (max(errors), np.median(errors))
+
+
 def test_refusals(tmp_path):
     """Bad inputs are errors that name the field (and, for a shape nf4 cannot store, the tensor)."""
     from jaxpi.plan.request import PlanRequest
@@ -255,7 +294,9 @@ def test_plan_of_a_qlora_step():
 @pytest.mark.slow
 def test_compiled_plan_of_a_sharded_qlora_step():
     """The quantized step compiles sharded (fsdp over 4 devices): argument bytes compiled equal the
-    analytic ones, which hold the quantized arrays as sharded."""
+    analytic ones, which hold the quantized arrays as sharded; and it gathers the codes, not the
+    dequantized weights: 465 KB per step against the analytic 856 KB (gathering the rebuilt
+    float32 weights instead, without `QuantizedWeight.gathered`, moved 2.47 MB)."""
     from jaxpi.testing.xla import child_env
 
     argv = [
@@ -275,3 +316,4 @@ def test_compiled_plan_of_a_sharded_qlora_step():
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["compiled"]["argument"] == r["analytic"]["argument"] and r["compiled"]["temp"] > 0
+    assert r["collectives"]["all-gather"]["bytes"] <= r["collectives_analytic"]["all-gather"]["bytes"]
