@@ -179,11 +179,8 @@ class ParityReport:
             lines.append(
                 f"  {self.base_quant} base: {q['tensors']} tensors; identical to bitsandbytes': codes "
                 f"{q['codes']}, scales {q['scales']}"
-                + (
-                    f", offsets {q['offsets']} (others within {q['offset_ulps']} ulp)"
-                    if "offsets" in q
-                    else ""
-                )
+                + (f", offsets {q['offsets']}" if "offsets" in q else "")
+                + (f" (the others within {q['offset_ulps']} ulp)" if q.get("offset_ulps") else "")
             )
         t = self.thresholds
         if fp64:

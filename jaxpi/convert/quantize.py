@@ -131,14 +131,6 @@ def quantized_weights(model: nnx.Module) -> list[tuple[tuple, QuantizedWeight]]:
     return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, QuantizedWeight)]
 
 
-def base_quant_of(model: nnx.Module) -> str:
-    """ "nf4", "int8" or "none": what the model's quantized weights are."""
-    kinds = {m.layout.kind for _, m in quantized_weights(model)}
-    if len(kinds) > 1:
-        raise ValueError(f"the model mixes quantized formats {sorted(kinds)}")
-    return kinds.pop() if kinds else "none"
-
-
 def dequantized(model: Qwen3_5ForCausalLM, dtype: Any = jnp.float32) -> Qwen3_5ForCausalLM:
     """Replace every `QuantizedWeight` by a dense `Param` holding its dequantized weight in `dtype`
     (float32: exactly bitsandbytes' float32 dequantization), in place; returns the model."""

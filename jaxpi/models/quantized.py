@@ -18,7 +18,6 @@ compute dtype (2 bytes per parameter in bf16, four times the NF4 base). The arra
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -116,9 +115,3 @@ def base_einsum(mod: nnx.Module, proj: str, eq: str, x: jax.Array) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return quantized_einsum(eq, x, w.gathered(), w.layout)
     return jnp.einsum(eq, x, w[...])
-
-
-def stored_bytes(w: QuantizedWeight) -> int:
-    """Bytes of the stored arrays (all stacked layers)."""
-    values = [getattr(w, n).get_value() for n in w.names]
-    return sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize for v in values)

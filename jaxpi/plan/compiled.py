@@ -38,7 +38,9 @@ from sharding.strategies import (
 )
 
 
-def _build(cfg: QwenConfig, dtype: jnp.dtype, lora_rank: int | None, base_quant: str) -> Qwen3_5ForCausalLM:
+def _build(
+    cfg: QwenConfig, dtype: jnp.dtype, lora_rank: int | None, base_quant: str = "none"
+) -> Qwen3_5ForCausalLM:
     model = quantize_structure(Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
     if lora_rank:
         add_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))

@@ -209,8 +209,3 @@ def dequantize(arrays: dict[str, jax.Array], layout: Layout, dtype: jnp.dtype) -
     if layout.kind == "nf4":
         return dequantize_nf4(arrays, layout, dtype)
     return dequantize_int8(arrays, layout, dtype)
-
-
-def dequantize_host(arrays: dict[str, np.ndarray], layout: Layout) -> np.ndarray:
-    """The same in float32 on the host (numpy), for exports and checks."""
-    return np.asarray(dequantize(arrays, layout, jnp.dtype(jnp.float32)))

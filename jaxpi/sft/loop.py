@@ -42,6 +42,7 @@ from jaxpi.convert.hf import load_hf
 from jaxpi.convert.quantize import abstract_model
 from jaxpi.data.pipeline import FIELDS, batch_stats, make_eval_iterator, make_train_iterator
 from jaxpi.lora import LoRAParam, add_lora
+from jaxpi.models.quantized import QuantParam
 from jaxpi.sft.config import SFTConfig, resume_diffs
 from jaxpi.sft.data import SFTData, prepare_data, report_text
 from jaxpi.train.base import prepare_base
@@ -220,8 +221,15 @@ def start_trainer(run: Run, base_dir: Path, model_cfg: QwenConfig) -> None:
         "dtype": cfg.model.dtype,
         "tokenizer": cfg.data.tokenizer or str(base_dir),
         "config": run.config,
+        # bytes of the quantized frozen base the step trained on (0: a dense base)
+        "quantized_base_bytes": _quantized_bytes(run.trainer.params),
     }
     run.hook = _load_hook(cfg.train.eval_hook) if cfg.train.eval_hook else None
+
+
+def _quantized_bytes(params: Any) -> int:
+    values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(params, QuantParam))]
+    return int(sum(x.size * x.dtype.itemsize for x in values))
 
 
 def resume(run: Run, out: Any) -> None:
