@@ -27,6 +27,7 @@ from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.adapters import adapter_for
 from jaxpi.models.params import constant, constrain, log_uniform, normal, param
+from jaxpi.models.quantized import base_einsum
 
 # Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
 RESID_AXES = ("batch", "seq", "embed")
@@ -63,7 +64,8 @@ def project(
     n_in: int = 1,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(drop(x)·A)·B`
+    """`einsum(eq, x, W)` for the stored projection `proj` (W a dense `Param`, or a quantized base
+    weight dequantized on the fly: `jaxpi.models.quantized`), plus the LoRA update `s·(drop(x)·A)·B`
     when the module carries an adapter for `proj` (`jaxpi.models.adapters`, filled by
     `jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv). `drop` is inverted dropout at the adapter's rate, applied only given a key.
 
@@ -71,7 +73,7 @@ def project(
     the matmul): asking for a float32 result would make the backward cotangent float32 and promote
     every bf16 weight to a float32 copy in the gradient matmuls.
     """
-    y = jnp.einsum(eq, x, getattr(mod, proj)[...])
+    y = base_einsum(mod, proj, eq, x)  # a dense Param or a quantized base weight
     name = hf or proj
     if _TAPS is not None:
         _TAPS.append((name, x))

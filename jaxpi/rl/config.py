@@ -219,6 +219,13 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         c = self.collect
+        if self.lora.base_quant != "none":
+            # the policy's rollouts (JAX engine, vLLM) serve the dense base; a quantized trainer
+            # base would make every importance weight carry the quantization error
+            raise ValueError(
+                f"lora.base_quant={self.lora.base_quant!r}: jaxpi grpo trains on the dense base "
+                "(model.dtype); quantized bases are for jaxpi sft"
+            )
         if c.backend == "ray" and c.engine != "jax":
             raise ValueError(
                 "collect.backend=ray samples with engines of the fleet's own (collect.engine=jax); "
