@@ -71,7 +71,9 @@ def run(cfg: FleetRunConfig) -> dict[str, Any]:
 
         rows = []
         for k in cfg.workers:
-            g = dataclasses.replace(grpo, collect=dataclasses.replace(c, ray_workers=k, ray_address=cfg.ray_address))
+            g = dataclasses.replace(
+                grpo, collect=dataclasses.replace(c, ray_workers=k, ray_address=cfg.ray_address)
+            )
             t0 = time.perf_counter()
             fleet = make_fleet_collector(g, pol, tok, env, render_cfg, 0)
             try:
@@ -98,7 +100,11 @@ def run(cfg: FleetRunConfig) -> dict[str, Any]:
                     "start_s": start_s,
                 }
             )
-    return {"env": {**_cpu(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}, "config": dataclasses.asdict(cfg), "results": rows}
+    return {
+        "env": {**_cpu(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__},
+        "config": dataclasses.asdict(cfg),
+        "results": rows,
+    }
 
 
 def table(report: dict[str, Any]) -> str:
