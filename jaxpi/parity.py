@@ -117,6 +117,10 @@ class ParityReport:
     thresholds: dict[str, float]
     note: str
     seconds: float
+    # QLoRA (`jaxpi.parity_qlora`): the base format and how jaxpi's quantized base compares with
+    # bitsandbytes' (tensors whose codes / scales / offsets are identical); None for a dense base
+    base_quant: str = "none"
+    quant: dict[str, Any] | None = None
 
     @property
     def logits_rel(self) -> float:
@@ -156,6 +160,8 @@ class ParityReport:
             "thresholds": self.thresholds,
             "note": self.note,
             "seconds": self.seconds,
+            "base_quant": self.base_quant,
+            "quant": self.quant,
         }
 
     def table(self, top: int = 15) -> str:
@@ -165,8 +171,17 @@ class ParityReport:
             f"  seq_len={self.seq_len}"
             + (f"  segments={self.segments}" if self.segments > 1 else "")
             + (f"  inject={self.inject}" if self.inject else "")
+            + (f"  base={self.base_quant} (LoRA gradients)" if self.base_quant != "none" else "")
         )
         lines = [head] + ([f"  note: {self.note}"] if self.note else [])
+        if self.quant:
+            q = self.quant
+            lines.append(
+                f"  {self.base_quant} base: {q['tensors']} tensors; identical to bitsandbytes': codes "
+                f"{q['codes']}, scales {q['scales']}"
+                + (f", offsets {q['offsets']}" if "offsets" in q else "")
+                + (f" (the others within {q['offset_ulps']} ulp)" if q.get("offset_ulps") else "")
+            )
         t = self.thresholds
         if fp64:
             lines.append(
@@ -242,17 +257,19 @@ def random_segments(rng: np.random.Generator, batch: int, seq_len: int, segments
 
 
 def jax_reference(
-    model: Any, ids: np.ndarray, segment_ids: np.ndarray | None = None
+    model: Any, ids: np.ndarray, segment_ids: np.ndarray | None = None, *, trainable: Any = nnx.Param
 ) -> tuple[np.ndarray, float, dict[tuple, np.ndarray]]:
     """Logits, loss and gradients (by our parameter path, as float64 numpy) from jaxpi. With
-    segment_ids the loss is the mean over the next-token pairs inside each segment."""
-    graphdef, params = nnx.split(model, nnx.Param)
+    segment_ids the loss is the mean over the next-token pairs inside each segment. `trainable`
+    picks the variables differentiated (a QLoRA comparison passes the adapters' type)."""
+    graphdef, state = nnx.split(model)
+    params, rest = nnx.split_state(state, trainable, ...)
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
 
     @jax.jit
-    def run(params, ids, seg):
+    def run(params, rest, ids, seg):
         def loss_fn(params):
-            logits = nnx.merge(graphdef, params)(ids, segment_ids=seg)
+            logits = nnx.merge(graphdef, params, rest)(ids, segment_ids=seg)
             logp = jax.nn.log_softmax(upcast(logits[:, :-1]), axis=-1)
             nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
             if seg is None:
@@ -263,7 +280,7 @@ def jax_reference(
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, logits, grads
 
-    loss, logits, grads = run(params, jnp.asarray(ids, jnp.int32), seg)
+    loss, logits, grads = run(params, rest, jnp.asarray(ids, jnp.int32), seg)
     flat = {tuple(p): np.asarray(v.get_value(), np.float64) for p, v in nnx.to_flat_state(grads)}
     return np.asarray(logits, np.float64), float(loss), flat
 

@@ -111,10 +111,17 @@ def reference_grads(
     its own (positions from 0, no state carried in) and the loss is the mean over the next-token
     pairs inside segments: what a packed run must equal.
     """
+    return run_reference(load_reference(hf_dir, dtype), ids, dtype, segment_ids)
+
+
+def run_reference(
+    model: Any, ids: np.ndarray, dtype: str, segment_ids: np.ndarray | None = None
+) -> tuple[np.ndarray, float, dict[str, np.ndarray]]:
+    """`reference_grads` on a loaded model (a transformers model, or a peft model around one: the
+    gradients are then the trainable adapters'), keyed by `named_parameters`."""
     import torch
     import torch.nn.functional as F
 
-    model = load_reference(hf_dir, dtype)
     wide = torch.float64 if dtype == "float64" else torch.float32
     x = torch.tensor(ids, dtype=torch.long)
     if segment_ids is None:
@@ -138,3 +145,111 @@ def reference_grads(
     loss.backward()
     grads = {n: p.grad.to(torch.float64).numpy() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach().to(torch.float64).numpy(), float(loss.item()), grads
+
+
+# ---- QLoRA: peft + bitsandbytes, and the float64 arbiter on the dequantized base ----------------
+
+
+def quantization_config(base_quant: str, dtype: str) -> Any:
+    """transformers' `BitsAndBytesConfig` of a QLoRA base: nf4 with double-quantized scales (blocks
+    of 64, peft's QLoRA recipe) or LLM.int8, computing in `dtype`."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if base_quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=getattr(torch, dtype),
+        )
+    if base_quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ValueError(f"base_quant must be nf4 or int8, not {base_quant!r}")
+
+
+def load_quantized(hf_dir: str | Path, base_quant: str, dtype: str) -> Any:
+    """The checkpoint with its linear layers quantized by bitsandbytes (CPU), weights cast to
+    `dtype` before quantizing as transformers does, eager attention."""
+    import torch
+    from transformers import AutoConfig
+
+    _quiet()
+    kind = AutoConfig.from_pretrained(hf_dir).model_type
+    module = importlib.import_module(_MODULE)
+    cls = module.Qwen3_5ForConditionalGeneration if kind == "qwen3_5" else module.Qwen3_5ForCausalLM
+    return cls.from_pretrained(
+        hf_dir,
+        dtype=getattr(torch, dtype),
+        attn_implementation="eager",
+        quantization_config=quantization_config(base_quant, dtype),
+    )
+
+
+def with_adapter(model: Any, adapter_dir: str | Path) -> Any:
+    """`PeftModel.from_pretrained(model, adapter_dir)`, its adapters trainable, in train mode
+    (bitsandbytes' CPU int8 layers run the dequantized matmul only while training)."""
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    return peft.train()
+
+
+def quantized_layers(model: Any) -> dict[str, Any]:
+    """Every bitsandbytes linear layer of a model by its module name."""
+    import bitsandbytes as bnb
+
+    kinds = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    return {name: m for name, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def dequantized_weights(model: Any) -> dict[str, Any]:
+    """`{parameter name: the weight as bitsandbytes computes with it}` of every quantized layer, in
+    the layer's dtype: NF4 through `dequantize_4bit`; int8 as its CPU training matmul rebuilds it,
+    `CB · (SCB · (1/127))`."""
+    import bitsandbytes.functional as F
+    import torch
+
+    out = {}
+    for name, layer in quantized_layers(model).items():
+        w = layer.weight
+        if hasattr(w, "quant_state"):
+            out[f"{name}.weight"] = F.dequantize_4bit(w.data, w.quant_state)
+        else:
+            cb = w.data.to(torch.float32)
+            out[f"{name}.weight"] = cb.mul_(w.SCB.unsqueeze(1).mul(1.0 / 127.0))
+    return out
+
+
+def quant_states(model: Any) -> dict[str, dict[str, np.ndarray]]:
+    """The stored state of every quantized layer (numpy), by its weight's name: nf4 `codes` (packed,
+    flat), `absmax` (8-bit codes), `scale` (second level), `offset`; int8 `codes`, `scale`."""
+    out = {}
+    for name, layer in quantized_layers(model).items():
+        w = layer.weight
+        if hasattr(w, "quant_state"):
+            qs = w.quant_state
+            out[f"{name}.weight"] = {
+                "codes": w.data.numpy().reshape(-1),
+                "absmax": qs.absmax.numpy(),
+                "scale": qs.state2.absmax.numpy(),
+                "offset": np.float32(qs.offset.item()),
+            }
+        else:
+            out[f"{name}.weight"] = {"codes": w.data.numpy(), "scale": w.SCB.numpy()}
+    return out
+
+
+def dequantized_reference(hf_dir: str | Path, weights: dict[str, Any], adapter_dir: str | Path) -> Any:
+    """The float64 arbiter of a QLoRA run: `float64_modeling`'s model with every quantized layer's
+    weight replaced by the dequantized one (exact in float64), and the adapter on top."""
+    import torch
+
+    model = load_reference(hf_dir, "float64")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in weights.items():
+            if name not in params:
+                raise KeyError(f"the float64 reference has no parameter {name!r}")
+            params[name].copy_(w.to(torch.float64))
+    return with_adapter(model, adapter_dir).double()

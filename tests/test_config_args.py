@@ -59,7 +59,8 @@ def cases(model_dir: Path) -> list[Case]:
         Case(("gateway",), gateway.SPEC, required={"upstream": "http://127.0.0.1:1"}),
         Case(("eval",), eval.EVAL, required={"tasks": "t", "model": "m"}),
         Case(("select",), eval.SELECT, positionals=("a", "b"), required={"tasks": "t"}),
-        Case(("plan",), plan.SPEC, required={"mesh": "fsdp=2"}),
+        # lora_rank given: base_quant's sample (nf4) needs LoRA
+        Case(("plan",), plan.SPEC, required={"mesh": "fsdp=2", "lora_rank": 4}),
         *(Case(("bench", name), bench.SPECS[name]) for name in bench.SPECS),
         Case(
             ("vllm", "serve"),
@@ -108,6 +109,7 @@ def required_overrides(case: Case, skip: str = "") -> list[str]:
 # A valid value other than the default, per key (by type where the type says enough).
 SAMPLES: dict[str, Any] = {
     "remat": "mlp",
+    "base_quant": "nf4",
     "attn_impl": "pallas",
     "gdn_impl": "jax_assoc",
     "impl": "jax_split",
@@ -137,6 +139,7 @@ SAMPLES: dict[str, Any] = {
     "batch": 2,
     "lora_rank": 8,
     "max_lora_rank": 32,
+    "workers": (2, 3),
 }
 
 

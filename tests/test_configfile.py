@@ -178,3 +178,30 @@ def test_sft_configs_load_and_every_field_is_overridable():
         load_config(SFTConfig, None, ["train.eval_hook=nothing"])
     with pytest.raises(ConfigError, match=r"sharding\.strategy needs sharding\.mesh"):
         load_config(SFTConfig, None, ["sharding.strategy=fsdp"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Train:
+    async_: bool = False  # a keyword's field: spelled `async` in files and overrides
+    steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    train: _Train = dataclasses.field(default_factory=_Train)
+
+
+def test_a_keyword_field_is_its_keyword_in_files_overrides_and_help(tmp_path):
+    from jaxpi.configfile.help import describe
+
+    assert field_names(_Run) == ["train.async", "train.steps"]
+    assert load_config(_Run, overrides=["train.async=true"]).train.async_ is True
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  async: true\n  steps: 3\n")
+    cfg = load_config(_Run, path)
+    assert (cfg.train.async_, cfg.train.steps) == (True, 3)
+    assert to_dict(cfg) == {"train": {"async": True, "steps": 3}}
+    assert [d.key for d in describe(_Run)] == ["train.async", "train.steps"]
+    # The field's own spelling is not a key: one name per setting.
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.async_' \(did you mean 'train.async'"):
+        load_config(_Run, overrides=["train.async_=true"])

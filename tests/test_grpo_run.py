@@ -10,8 +10,12 @@ collections' progress), and its evaluations reach metrics.jsonl and TensorBoard 
 describe (0 and the last) under the same eval/ keys.
 """
 
+import contextlib
 import json
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +55,8 @@ SMALL = [
     "output.loggers=[tensorboard]",
     "train.log_every=1",
     "train.collection_log_s=0",  # a progress line at every finished attempt
+    # Two waves per training collection (6 sessions each): the Ray fleet's two workers take one each.
+    "collect.engine_batch=6",
 ]
 
 
@@ -319,3 +325,229 @@ def test_report_draws_the_run(straight, tmp_path):
     assert "| start" in proc.stdout and "sched L" in proc.stdout
     for name in ("frontier.png", "ordering.png", "pass_rate.png"):
         assert (tmp_path / "rep" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the same runs on a Ray fleet -------------------------------------------------------------------
+# A cluster of this machine as a user starts one (`ray start --head`, 2 CPUs: two rollout worker
+# processes of one CPU each). Token authentication off for its processes and the runs alike, so a
+# token Ray left in ~/.ray by another cluster cannot get in the way.
+TIMING = ("time", "collect_s", "update_s", "tokens_per_s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_pids(port: int) -> list[int]:
+    """Processes of the cluster whose GCS listens on `port`, and of no other cluster: those given
+    its GCS address or port, and those of its session directory (log monitors, agents)."""
+    procs = {int(d.name): _cmdline(d) for d in Path("/proc").iterdir() if d.name.isdigit()}
+    mine = re.compile(rf"--gcs[-_]address=\S*:{port}\b|--gcs_server_port={port}\b")
+    sessions = {
+        m.group(0)
+        for a in procs.values()
+        if mine.search(a)
+        for m in re.finditer(r"/tmp/ray/session_[\w-]+", a)
+    }
+    return [p for p, a in procs.items() if mine.search(a) or any(s in a for s in sessions)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(runs):
+    pytest.importorskip("ray")
+    port = _free_port()
+    env = {**environ(runs["cache"]), "RAY_AUTH_MODE": "disabled"}
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    start = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2"]
+    start += ["--include-dashboard=false", "--disable-usage-stats"]
+    proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        # Only this cluster's processes (`ray stop` would end every cluster of the machine).
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _cluster_pids(port):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(1.0)
+
+
+def rollout_workers() -> list[int]:
+    """Process ids of the fleet's rollout workers (Ray names its actor processes ray::<class>)."""
+    return [
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit() and _cmdline(d).startswith("ray::RolloutWorker")
+    ]
+
+
+def _cmdline(d: Path) -> str:
+    try:
+        return (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def fleet_runs(sft_dir, ray_cluster, tmp_path_factory):
+    """On the fleet: the synchronous run with a rollout worker SIGKILLed as the first training
+    collection starts; the asynchronous run, uninterrupted; the asynchronous run killed after its
+    first update (its resume comes in the test)."""
+    addr, env = ray_cluster
+    root = tmp_path_factory.mktemp("fleet")
+    fleet = ("collect.backend=ray", f"collect.ray_address={addr}")
+    asyn = (*fleet, "train.async=true", "collect.max_staleness=1")
+    log = (root / "sync.stderr").open("w")
+    p = subprocess.Popen(
+        command(sft_dir, root / "sync", *fleet), env=env, stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    killed: list[int] = []
+    deadline = time.time() + 900
+    while p.poll() is None and time.time() < deadline and not killed:
+        # The step-0 evaluation's last progress line: the first training collection's two waves
+        # go out to the two workers now.
+        if "eval after 0 updates: 6/6 attempts" in (root / "sync.stderr").read_text():
+            victims = rollout_workers()
+            if victims:
+                os.kill(victims[0], signal.SIGKILL)
+                killed.append(victims[0])
+        time.sleep(0.05)
+    _stdout, _ = p.communicate(timeout=900)
+    log.close()
+    assert p.returncode == 0, (root / "sync.stderr").read_text()[-3000:]
+    straight = subprocess.run(
+        command(sft_dir, root / "async", *asyn), env=env, capture_output=True, text=True, timeout=900
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    p_killed = subprocess.Popen(
+        command(sft_dir, root / "async-killed", *asyn),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kill_after(p_killed, root / "async-killed", 1)
+    return {
+        "sync": root / "sync",
+        "sync_stderr": (root / "sync.stderr").read_text(),
+        "killed_worker": killed,
+        "async": root / "async",
+        "async_killed": (root / "async-killed", p_killed.returncode),
+        "command": lambda out: command(sft_dir, out, *asyn),
+        "env": env,
+    }
+
+
+def _without(records: list[dict]) -> list[dict]:
+    """Metrics records without the clock's numbers (timings, the fleet's, an evaluation's fleet's)."""
+    return [
+        {k: v for k, v in r.items() if k not in TIMING and not k.startswith(("fleet/", "eval/fleet/"))}
+        for r in records
+    ]
+
+
+def test_fleet_run_equals_the_local_one_though_a_worker_died(fleet_runs, straight):
+    """The same seeds give the same run on two Ray workers as in one process, token for token, with
+    one worker SIGKILLed mid-run: its wave was redone elsewhere with the same keys, no attempt was
+    lost, none was trained on twice or in part."""
+    local, _ = straight
+    fleet = fleet_runs["sync"]
+    assert fleet_runs["killed_worker"], "no rollout worker was running to be killed"
+    assert lines(fleet / "attempts.jsonl") == lines(local / "attempts.jsonl")
+    a, b = lines(local / "metrics.jsonl"), lines(fleet / "metrics.jsonl")
+    assert _without(a) == _without(b)
+    for x, y in zip(
+        jax.tree.leaves(load_adapter(local)[0]), jax.tree.leaves(load_adapter(fleet)[0]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Every update's record holds its training collection's fleet numbers (the evaluations' are
+    # under eval/fleet/); the first went out to both workers, one of which died in it.
+    updates = b[1:]
+    assert all(r["fleet/waves"] == 2 and r["fleet/attempts"] == 12 for r in updates)
+    assert updates[0]["fleet/in_flight_max"] == 2 and updates[0]["eval/fleet/waves"] == 1  # eval 0
+    assert sum(r["fleet/retries"] for r in updates) >= 1, fleet_runs["sync_stderr"][-3000:]
+    assert all(r["fleet/lost_attempts"] == 0 for r in updates)
+    assert all(r["fleet/attempts_per_min"] > 0 and r["fleet/busy_s"] > 0 for r in updates)
+    assert "fleet: worker" in fleet_runs["sync_stderr"] and "lost" in fleet_runs["sync_stderr"]
+
+
+def test_async_run_trains_on_one_version_stale_attempts(fleet_runs, sft_dir):
+    out = fleet_runs["async"]
+    train = [a for a in lines(out / "attempts.jsonl") if a["split"] == "train"]
+    # Collection s is sampled by the policy after s - 1 updates (the first by the first policy).
+    assert {(a["step"], a["policy_version"]) for a in train} == {(0, 0), (1, 0)}
+    records = lines(out / "metrics.jsonl")[1:]
+    assert [r["staleness/max"] for r in records] == [0.0, 1.0]
+    assert records[1]["staleness/1"] == 12 and records[1]["admitted"] == sum(
+        a["admitted"] for a in train if a["step"] == 1
+    )
+    # The second update trains on what the first policy sampled: the trainer's log-probs (after one
+    # update) part from the engine's, and the capped importance weight takes the gap.
+    assert records[0]["logp_diff_max"] < 1e-3 < records[1]["logp_diff_max"]
+    assert all(np.isfinite(r["loss"]) and r["is_weight_max"] <= 2.0 for r in records)
+    assert (out / "checkpoints" / "2" / "sampler").is_dir()
+    start, end = load_adapter(sft_dir)[0], load_adapter(out)[0]
+    moved = [
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(end), strict=True)
+    ]
+    assert max(moved) > 1e-4
+
+
+def test_async_resume_after_sigkill_is_exact(fleet_runs):
+    """Killed after its first update and resumed (the fleet joined again), the asynchronous run
+    samples its second collection with the adapter the checkpoint kept for it, as the run it
+    resumes did: the same attempts, metrics and adapter as the uninterrupted one."""
+    out, returncode = fleet_runs["async_killed"]
+    assert returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    resumed = subprocess.run(
+        fleet_runs["command"](out), env=fleet_runs["env"], capture_output=True, text=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout)["resumed_from"] == 1
+    straight = fleet_runs["async"]
+    assert lines(straight / "attempts.jsonl") == lines(out / "attempts.jsonl")
+    assert _without(lines(straight / "metrics.jsonl")) == _without(lines(out / "metrics.jsonl"))
+    for x, y in zip(
+        jax.tree.leaves(load_adapter(straight)[0]), jax.tree.leaves(load_adapter(out)[0]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_workers_that_cannot_start_stop_the_collection_naming_why(ray_cluster, tmp_path, monkeypatch):
+    """A worker that cannot build its engine (here: a base that is not there) is not a lost
+    process to replace forever: after collect.worker_retries failed starts the fleet says why."""
+    from jaxpi.data import TINY_TOKENIZER
+    from jaxpi.rl.config import GRPOConfig
+    from jaxpi.rl.fleet.cluster import FleetError
+    from jaxpi.rl.fleet.collector import FleetCollector
+    from jaxpi.rl.fleet.worker import WorkerSpec
+
+    addr, env = ray_cluster
+    monkeypatch.setenv("RAY_AUTH_MODE", env["RAY_AUTH_MODE"])
+    overrides = [*SMALL, "collect.backend=ray", f"collect.ray_address={addr}", "collect.worker_retries=1"]
+    cfg = load_config(
+        GRPOConfig, ROOT / "configs" / "grpo" / "tiny.yaml", [*overrides, f"output.dir={tmp_path}"]
+    )
+    missing = tmp_path / "no-such-base"
+    spec = WorkerSpec(cfg, str(missing), str(TINY_TOKENIZER), cfg.lora, 6, env=None, render_cfg=None)
+    with pytest.raises(FleetError, match=r"rollout workers fail to start: .*no-such-base"):
+        FleetCollector(cfg, spec, 0, {})
+
+
+def test_bench_fleet_reports_attempts_per_minute(ray_cluster, tmp_path):
+    """`jaxpi bench fleet` runs on a cluster and reports sane fields (the figures are docs', not a test's)."""
+    addr, env = ray_cluster
+    out = tmp_path / "fleet.json"
+    argv = [sys.executable, "-m", "jaxpi.cli", "bench", "fleet", "--workers", "1", "--collections", "1"]
+    argv += ["--ray-address", addr, "--out", str(out), "--json"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report == json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["workers"] == 1 and row["attempts_per_collection"] == 48 and row["waves_per_collection"] == 8
+    assert row["attempts_per_min"] > 0 and row["sampled_tokens_per_s"] > 0 and 0 < row["busy_share"] <= 1.0
+    assert report["env"]["cores"] >= 1 and len(report["env"]["load_avg"]) == 3

@@ -32,7 +32,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
             "jaxpi.torch_reference",
         },
         {"jaxpi.config", "sharding"},  # sharding: meshes, strategies, HLO; of jaxpi only the axes
-        {"jaxpi.kernels"},  # the dispatchers above their Pallas variants above the jax algorithms
+        # kernels: the dispatchers above their Pallas variants above the jax algorithms;
+        # quant: bitsandbytes' NF4 / int8 formats (host) and their dequantization (jax)
+        {"jaxpi.kernels", "jaxpi.quant"},
         {"jaxpi.models"},
         {"jaxpi.data", "jaxpi.sandbox", "jaxpi.stats", "jaxpi.llamacpp"},  # llamacpp: the cached build, run
         {"jaxpi.convert", "jaxpi.rollout", "jaxpi.tasks"},
@@ -42,7 +44,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"jaxpi.gateway"},
         {"jaxpi.sft", "jaxpi.rl", "jaxpi.eval"},
         {"jaxpi.hf_fixtures", "jaxpi.parity"},
-        {"jaxpi.testing"},
+        {"jaxpi.testing", "jaxpi.parity_qlora"},  # parity_qlora: the QLoRA comparison, on the harness
         {"jaxpi.plan", "jaxpi.bench", "jaxpi.experiments"},
         {"jaxpi.demo"},
         {"jaxpi.cli"},

@@ -29,8 +29,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import signal
 import socket
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from jaxpi.runner.install import PI_VERSION, find_pi
 from jaxpi.runner.pi_config import LEVELS, models_json, settings_json
 from jaxpi.runner.record import AttemptRecord, read_session_summary
 from jaxpi.sandbox import bwrap_path
+from jaxpi.testing import pi_record
 
 
 def _pi_installed() -> bool:
@@ -57,8 +61,7 @@ needs_pi = pytest.mark.skipif(
 
 LEVEL = "low"
 MAX_LEN = 2048
-INSTRUCTION = "Create a file named hello.txt that contains the word hello."
-COMMAND = "echo hello > hello.txt"
+INSTRUCTION, COMMAND = pi_record.INSTRUCTION, pi_record.COMMAND
 # Enough steps that greedy decoding reproduces the session whatever the prompt's length: Pi's
 # system prompt names its install path, so the prompt's tokens depend on the checkout's path (a
 # clone under /tmp/tmp.*/ made it 1573 tokens, /work/main 1534); at 30 steps one such clone
@@ -73,17 +76,7 @@ def free_port() -> int:
 
 
 def write_task(root: Path) -> Path:
-    d = root / "hello-file"
-    (d / "tests").mkdir(parents=True)
-    (d / "solution").mkdir()
-    (d / "instruction.md").write_text(INSTRUCTION + "\n")
-    (d / "task.toml").write_text(
-        '[metadata]\nid = "hello-file"\ncategory = "shell"\ndifficulty = "easy"\n\n'
-        "[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = 512\n\n[verifier]\ntimeout = 20\n"
-    )
-    (d / "tests" / "test.sh").write_text('#!/bin/bash\n[ "$(cat hello.txt 2>/dev/null)" = hello ]\n')
-    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{COMMAND}\n")
-    return d
+    return pi_record.write_task(root, max_tokens=512)
 
 
 # ---- pure parts -------------------------------------------------------------------------------------
@@ -341,7 +334,11 @@ def test_untrained_attempt_records_pis_real_request(untrained):
     req = call["request"]
     assert [t["function"]["name"] for t in req["tools"]] == ["bash"]
     # Pi's system prompt names the working directory (1.x in a <cwd> section of its own).
-    cwd = "<cwd>\n/workspace\n</cwd>" if find_pi().version.startswith("1.") else "Current working directory: /workspace"
+    cwd = (
+        "<cwd>\n/workspace\n</cwd>"
+        if find_pi().version.startswith("1.")
+        else "Current working directory: /workspace"
+    )
     assert req["messages"][0]["role"] == "system" and cwd in req["messages"][0]["content"]
     assert req["temperature"] == 0.0 and req["seed"] == 0  # set by the runner's Pi extension
     assert len(call["prompt_token_ids"]) > 1000  # Pi's system prompt and tool schema, rendered
@@ -403,27 +400,13 @@ def sft_ckpt(workdir, base, untrained):
     return Path(summary["checkpoint"])
 
 
-@pytest.fixture(scope="module")
-def collected(workdir, task, sft_ckpt):
-    """`jaxpi grpo`'s loop (`run_grpo`, one collection + one update) with `env.name: pi`: the trainer
-    builds its JaxEngine on the SFT policy and hands it to `PiCollector` through its environment
-    registry. The task pool is this module's task directory; the registry entry is swapped for one
-    whose runner config allows Pi only the bash tool (the short prompt the tiny model was fit on)."""
-    import jax
-
-    from jaxpi.configfile import from_dict
-    from jaxpi.data.render import load_tokenizer
-    from jaxpi.gateway import build_samples, split_stats, think_ids
-    from jaxpi.rl.config import GRPOConfig
-    from jaxpi.rl.envs import register_env
-    from jaxpi.rl.pi_env import PiCollector, PiEnv, attempt_trajectory, make_pi_env
-    from jaxpi.rl.policy import load_policy
-    from jaxpi.rl.trainer import run_grpo
-
+def pi_grpo_overrides(workdir: Path, sft_ckpt: Path, out: Path) -> dict:
+    """`jaxpi grpo` on the test's task with `env.name: pi`: one collection of one greedy attempt."""
     overrides = {
         "model": {"adapter": str(sft_ckpt), "dtype": "float32"},
         "env": {"name": "pi", "tasks_dir": str(workdir / "tasks")},
-        "reward": {"kind": "binary", "levels": [LEVEL]},
+        # the TwIL-8B-pi card's tool-efficiency bonus rides along (a group of one success: bonus 0)
+        "reward": {"kind": "binary", "levels": [LEVEL], "tool_bonus": 0.1},
         "collect": {
             "tasks": 1,
             "group": 1,
@@ -436,15 +419,46 @@ def collected(workdir, task, sft_ckpt):
             "engine_batch": 1,
         },
         "train": {"collections": 1, "eval_group": 0, "checkpoint_every": 1},
-        "output": {"dir": str(workdir / "grpo"), "loggers": []},
+        "output": {"dir": str(out), "loggers": []},
     }
+    return overrides
+
+
+def run_pi_grpo(cfg, task, attempts_dir: Path) -> dict:
+    """`run_grpo` with the registry's Pi entry swapped for one whose runner allows Pi only the
+    bash tool (the short prompt the tiny model was fit on) on this module's task."""
+    from jaxpi.rl.envs import register_env
+    from jaxpi.rl.fleet.pi import make_fleet_pi_collector
+    from jaxpi.rl.pi_env import PiCollector, PiEnv, make_pi_env
+    from jaxpi.rl.trainer import run_grpo
+
+    make = lambda _: (PiEnv(str(attempts_dir), runner_cfg()), [task], [])  # noqa: E731
+    register_env("pi", make, PiCollector, make_fleet_pi_collector)
+    try:
+        return run_grpo(cfg, progress=False, out=sys.stderr)
+    finally:
+        register_env("pi", make_pi_env, PiCollector, make_fleet_pi_collector)
+
+
+@pytest.fixture(scope="module")
+def collected(workdir, task, sft_ckpt):
+    """`jaxpi grpo`'s loop (`run_grpo`, one collection + one update) with `env.name: pi`: the trainer
+    builds its JaxEngine on the SFT policy and hands it to `PiCollector` through its environment
+    registry. The task pool is this module's task directory; the registry entry is swapped for one
+    whose runner config allows Pi only the bash tool (the short prompt the tiny model was fit on)."""
+    import jax
+
+    from jaxpi.configfile import from_dict
+    from jaxpi.data.render import load_tokenizer
+    from jaxpi.gateway import build_samples, split_stats, think_ids
+    from jaxpi.rl.config import GRPOConfig
+    from jaxpi.rl.pi_env import attempt_trajectory
+    from jaxpi.rl.policy import load_policy
+
+    overrides = pi_grpo_overrides(workdir, sft_ckpt, workdir / "grpo")
     cfg = from_dict(GRPOConfig, overrides)
     attempts_dir = workdir / "collect"
-    register_env("pi", lambda _: (PiEnv(str(attempts_dir), runner_cfg()), [task], []), PiCollector)
-    try:
-        summary = run_grpo(cfg, progress=False, out=sys.stderr)
-    finally:
-        register_env("pi", make_pi_env, PiCollector)
+    summary = run_pi_grpo(cfg, task, attempts_dir)
     pol = load_policy(cfg, workdir / "grpo", jax.random.key(0))
     tok = load_tokenizer(pol.tokenizer_dir)
     recs = []
@@ -486,6 +500,10 @@ def test_pi_solves_the_task_with_a_real_tool_call(collected):
     assert stats["samples"] == 1 and stats["splits"] == 0 and traj.admitted and traj.success
     # The record counts what Pi ran by tool, and the gateway's two call records; GRPO carries the total.
     assert rec.tool_calls == {"bash": 1} and rec.model_calls == 2 and traj.tool_calls == 1
+    assert rec.pi == f"@earendil-works/pi-coding-agent@{PI_VERSION}" and rec.settings["temperature"] == 0.0
+    # The verifier's outcome lies beside the session, so the attempt directory is SFT data as it is.
+    sidecar = json.loads((detail / "session.jsonl.meta.json").read_text())
+    assert sidecar == {"task_id": "hello-file", "verified": True, "effort": LEVEL}
 
 
 @needs_pi
@@ -564,3 +582,83 @@ def test_grpo_env_pi_is_registered_with_the_trainer():
 
     entry = env_entry("pi")
     assert entry.make is make_pi_env and entry.collector is PiCollector
+
+
+# ---- the same collection on a Ray fleet -------------------------------------------------------------
+
+
+def _attempt_workers() -> list[tuple[int, float]]:
+    """(pid, start time in clock ticks) of Ray workers running a Pi attempt (ray::remote_attempt)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "cmdline").read_bytes().startswith(b"ray::remote_attempt"):
+                out.append((int(d.name), float((d / "stat").read_text().split()[21])))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet_collected(workdir, task, sft_ckpt, collected):
+    """The collection of `collected` with `collect.backend=ray` (a Ray cluster the run starts on
+    this machine): the attempt runs as a Ray task, and the worker running it is SIGKILLed a second
+    into the attempt; the fleet runs it again under a new id."""
+    import threading
+
+    pytest.importorskip("ray")
+    from jaxpi.configfile import from_dict
+    from jaxpi.rl.config import GRPOConfig
+
+    overrides = pi_grpo_overrides(workdir, sft_ckpt, workdir / "grpo-fleet")
+    overrides["collect"] |= {"backend": "ray", "ray_workers": 1}
+    cfg = from_dict(GRPOConfig, overrides)
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_first_attempt() -> None:
+        while not done.is_set() and not killed:
+            found = _attempt_workers()
+            if found:
+                time.sleep(1.0)  # the worker is in its attempt: the sandbox up, Pi starting
+                os.kill(found[0][0], signal.SIGKILL)
+                killed.append(found[0][0])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_first_attempt, daemon=True)
+    watcher.start()
+    try:
+        summary = run_pi_grpo(cfg, task, workdir / "collect-fleet")
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    return types.SimpleNamespace(summary=summary, killed=killed, out=workdir / "grpo-fleet")
+
+
+@needs_pi
+def test_pi_attempt_on_the_fleet_survives_its_worker_and_trains_the_same(fleet_collected, collected, workdir):
+    """Run again after its worker died, the Ray attempt is the local one (greedy, the same policy):
+    the same outcome, tokens and reward, and the same update; the lost try's calls stay its own."""
+    assert fleet_collected.killed, "no Pi attempt was running on the fleet to be killed"
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()]  # noqa: E731
+    local, fleet = read(workdir / "grpo" / "attempts.jsonl"), read(fleet_collected.out / "attempts.jsonl")
+    assert [a["attempt_id"] for a in fleet] == [local[0]["attempt_id"] + ".r1"]
+    assert [{**a, "attempt_id": ""} for a in fleet] == [{**a, "attempt_id": ""} for a in local]
+    m_local, m_fleet = (
+        read(workdir / "grpo" / "metrics.jsonl")[-1],
+        read(fleet_collected.out / "metrics.jsonl")[-1],
+    )
+    for key in ("loss", "grad_norm", "logp_diff_max", "admitted", "scored", f"level/{LEVEL}/pass_rate"):
+        assert m_fleet[key] == m_local[key], key
+    assert m_fleet["fleet/retries"] == 1 and m_fleet["fleet/lost_attempts"] == 0
+    # The attempt's files came back from the worker; its record holds the gateway's two calls.
+    (d,) = [p.parent for p in (workdir / "collect-fleet").glob("collection-*/*/record.json")]
+    assert (
+        d.name.endswith(".r1")
+        and (d / "session.jsonl").is_file()
+        and (d / "session.jsonl.meta.json").is_file()
+    )
+    rec = json.loads((d / "record.json").read_text())
+    assert rec["success"] and len(rec["calls"]) == 2 and rec["tool_calls"] == {"bash": 1}

@@ -89,8 +89,19 @@ def test_recorded_events_and_summary_count_the_same_calls(version):
     assert ev.last_stop == summary.last_stop == "stop" and ev.error is None
     # Only 1.x says how the run settled.
     assert ev.aborted is (False if version.startswith("1.") else None)
-    admitted, report = admit(read_sessions([d / "session.jsonl"])[0])
-    assert len(admitted) == 1 or report.reasons == {"verifier_unknown": 1}
+    # The runner's sidecar carries the verifier's outcome: the session is SFT data as it stands.
+    (s,), _ = read_sessions([d / "session.jsonl"])
+    assert (s.meta.verified, s.meta.task_id, s.meta.effort) == (True, "hello-file", "low")
+    admitted, report = admit([s])
+    assert len(admitted) == 1 and report.reasons == {}
+
+
+def test_data_check_admits_the_sessions_of_both_releases(capsys):
+    from jaxpi.cli import main
+
+    assert main(["data", "check", str(FIXTURES), "--tokenizer", str(TINY_TOKENIZER), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gates"]["admitted"] == 2 and out["gates"]["total"] == 2
 
 
 def test_events_reader_survives_cut_and_foreign_lines():

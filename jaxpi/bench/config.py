@@ -375,6 +375,23 @@ class ServeRunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetRunConfig:
+    """`jaxpi bench fleet`: GRPO collections on 1, 2, 4, ... Ray rollout workers."""
+
+    workers: tuple[int, ...] = (1, 2, 4)  # fleet sizes to time, in order
+    collections: int = 3  # timed collections per fleet size (after one untimed)
+    ray_address: str = ""  # a running cluster; "" = start one on this machine for each size
+    out: str | None = None  # also write the JSON report to this file
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
+        if not self.workers or min(self.workers) < 1:
+            raise ValueError(f"workers must be a comma list of counts >= 1, got {list(self.workers)}")
+        if self.collections < 1:
+            raise ValueError(f"collections must be >= 1, got {self.collections}")
+
+
 # `jaxpi bench SUBCOMMAND` -> its config class.
 RUN_CONFIGS: dict[str, type] = {
     "train-step": BenchRunConfig,
@@ -384,4 +401,5 @@ RUN_CONFIGS: dict[str, type] = {
     "all": AllRunConfig,
     "profile": ProfileRunConfig,
     "serve": ServeRunConfig,
+    "fleet": FleetRunConfig,
 }

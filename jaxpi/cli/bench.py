@@ -10,6 +10,7 @@
     jaxpi bench all        [same model flags] [--compile-layers 8,16,64] [--vs torch|none]
     jaxpi bench profile    [same model flags] [--steps 2] [--trace-dir DIR]
                            [--mode decode [--batch N] [--new-tokens N] [--prompt-len N]]
+    jaxpi bench fleet      [--workers 1,2,4] [--collections 3] [--ray-address HOST:PORT]
     jaxpi bench gpu        --out FILE [--seq N] [--steps N] [--remat P] [--loss-chunk N] [--skip ...]
                            (the 27B-shaped run on one accelerator; its own flags, see its --help)
 
@@ -32,7 +33,16 @@ from typing import Any
 from jaxpi.atomic import write_text
 from jaxpi.bench import gpu_flags
 from jaxpi.bench import serve as serve_bench
-from jaxpi.bench.config import DTYPES, KERNELS, PRESETS, PROFILE_MODES, RUN_CONFIGS, VS, BenchRunConfig
+from jaxpi.bench.config import (
+    DTYPES,
+    KERNELS,
+    PRESETS,
+    PROFILE_MODES,
+    RUN_CONFIGS,
+    VS,
+    BenchRunConfig,
+    FleetRunConfig,
+)
 from jaxpi.bench.run import run
 from jaxpi.bench.table import format_table
 from jaxpi.cli.config_args import ConfigSpec, Flag, add_command_parser, add_config_arguments, build_config
@@ -40,6 +50,13 @@ from jaxpi.cli.output import emit
 from jaxpi.cli.registry import help_for
 from jaxpi.cli.serving import or_none
 from jaxpi.config import GDN_IMPLS, REMAT_POLICIES
+
+FLEET_DOC = """GRPO collections on a Ray fleet: attempts per minute against the number of rollout
+workers (the toy lookup environment on a tiny random base; jaxpi/bench/fleet.py)."""
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _model_flags(*, depth_list: bool) -> tuple[Flag, ...]:
@@ -133,6 +150,16 @@ SPECS = {
     )
     for name in SUBCOMMANDS
 }
+SPECS["fleet"] = ConfigSpec(
+    FleetRunConfig,
+    "bench-fleet",
+    (
+        Flag("--workers", "workers", "fleet sizes, comma-separated (default 1,2,4)", type=_counts),
+        Flag("--collections", "collections", "timed collections per size"),
+        Flag("--ray-address", "ray_address", "a running Ray cluster (default: one started per size)"),
+        OUT_FLAG,
+    ),
+)
 SPECS["serve"] = ConfigSpec(
     RUN_CONFIGS["serve"],
     "bench-serve",
@@ -168,6 +195,16 @@ def add_subparser(sub: Any) -> None:
     add_config_arguments(p, SPECS["serve"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_serve)
+    p = add_command_parser(
+        inner,
+        "fleet",
+        help="GRPO collections per minute on a Ray fleet of 1, 2, 4, ... rollout workers",
+        description=FLEET_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p, SPECS["fleet"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_fleet)
     # The accelerator run keeps flags of its own (a script's, not config keys: jaxpi.bench.gpu_flags).
     p = inner.add_parser(
         "gpu",
@@ -207,6 +244,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         res = serve_bench.run(out, cfg.requests, cfg.repeats)
     emit(res, args.json, "\n".join(f"{k:40s} {v}" for k, v in res.items()))
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """`jaxpi bench fleet`: attempts per minute against the number of rollout workers."""
+    from jaxpi.bench.fleet import run as run_fleet  # jax, the trainer, Ray: only when it runs
+    from jaxpi.bench.fleet import table
+
+    cfg: FleetRunConfig = build_config(args)
+    report = run_fleet(cfg)
+    if cfg.out:
+        write_text(Path(cfg.out), json.dumps(report, indent=2) + "\n")
+    emit(report, args.json, table(report))
     return 0
 
 

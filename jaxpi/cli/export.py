@@ -103,6 +103,13 @@ def add_subparser(sub: Any) -> None:
         help="with --format fp8: print the export's size for a preset (qwen3_5_27b, qwen3_5_9b, tiny: with the "
         "vision tower and MTP head they ship) or a checkpoint's config.json, and write nothing",
     )
+    ex.add_argument(
+        "--base-quant",
+        choices=["none", "nf4", "int8"],
+        default=None,
+        help="the base the adapter was trained on (default: a jaxpi checkpoint's lora.base_quant, none for a "
+        "peft adapter); a merged export of an nf4/int8 adapter merges into that base dequantized, in BF16",
+    )
     ex.add_argument("--base-name", default=None, help="base_model_name_or_path to record (default: --base)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     ex.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,6 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         base_name=args.base_name,
         overwrite=args.overwrite,
         progress=not args.json,
+        base_quant=args.base_quant,
     )
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -179,7 +187,7 @@ def _gguf(args: argparse.Namespace) -> int:
         )
     summary = export(
         args.adapter, args.out, base=args.base, fmt="gguf", merged=args.merged, overwrite=args.overwrite,
-        progress=not args.json, gguf=options,
+        progress=not args.json, gguf=options, base_quant=args.base_quant,
     )  # fmt: skip
     for w in summary["base"].get("warnings", []) if isinstance(summary.get("base"), dict) else []:
         print(f"warning: {w}", file=sys.stderr)

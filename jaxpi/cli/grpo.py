@@ -48,6 +48,7 @@ def _grpo_config() -> type:
 def cmd_grpo(args: argparse.Namespace) -> int:
     # The trainer (jax, orbax, the engines) is imported when a run starts: `--help` stays light.
     from jaxpi.rl.config import GRPOConfig
+    from jaxpi.rl.fleet.cluster import FleetError
     from jaxpi.rl.sampling import CollectionFailedError
     from jaxpi.rl.trainer import run_grpo
     from jaxpi.vllm.server import ServerError
@@ -59,7 +60,8 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     except FloatingPointError as e:
         print(f"jaxpi grpo: {e}", file=sys.stderr)
         return 3
-    except CollectionFailedError as e:
+    except (CollectionFailedError, FleetError) as e:
+        # The engine or the Ray fleet failed a collection: no update was made from it.
         print(f"jaxpi grpo: stopped: {e}", file=sys.stderr)
         return 4
     except (AdapterProbeError, ServerError) as e:

@@ -40,16 +40,21 @@ def add_subparser(sub: Any) -> None:
         help="swap in a known-bad backward (norms, conv, DeltaNet); the harness must fail and name the "
         "parameters (segment-reset-off-by-one needs --segments 2 or more)",
     )
+    par.add_argument(
+        "--base-quant",
+        choices=["none", "nf4", "int8"],
+        default="none",
+        help="quantize the frozen base (QLoRA) and compare logits, loss and every LoRA gradient with "
+        "peft + bitsandbytes (CPU); float64 arbiter on the dequantized base",
+    )
+    par.add_argument("--rank", type=int, default=4, help="LoRA rank of the --base-quant comparison")
     par.add_argument("--top", type=int, default=15, help="gradient rows shown in the table")
     par.add_argument("--json", action="store_true", help="print one JSON object")
     par.set_defaults(fn=cmd_parity)
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from jaxpi.parity import run_parity
-
-    report = run_parity(
-        args.hf_dir,
+    common = dict(
         seq_len=args.seq_len,
         batch=args.batch,
         dtype=args.dtype,
@@ -58,5 +63,13 @@ def cmd_parity(args: argparse.Namespace) -> int:
         reference=args.reference,
         segments=args.segments,
     )
+    if args.base_quant != "none":
+        from jaxpi.parity_qlora import run_qlora_parity
+
+        report = run_qlora_parity(args.hf_dir, base_quant=args.base_quant, rank=args.rank, **common)
+    else:
+        from jaxpi.parity import run_parity
+
+        report = run_parity(args.hf_dir, **common)
     emit(report.to_json(), args.json, report.table(args.top))
     return 0 if report.passed else 1

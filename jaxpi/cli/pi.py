@@ -21,9 +21,8 @@ class SetupConfig:
     """`jaxpi pi setup`: which Pi release, and where it is installed."""
 
     prefix: str | None = None  # npm prefix; None: $JAXPI_PI_PREFIX, else .tools/pi in the checkout
-    version: str = (
-        DEFAULT_VERSION  # a release jaxpi has checked: 1.6.0 (@earendil-works) or 0.73.1 (@mariozechner)
-    )
+    # a release jaxpi has checked: 1.6.0 (@earendil-works, the default) or 0.73.1 (@mariozechner)
+    version: str = DEFAULT_VERSION
     force: bool = False  # reinstall even if the stamp says it is there
 
     def __post_init__(self) -> None:

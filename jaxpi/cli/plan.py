@@ -50,6 +50,13 @@ SPEC = ConfigSpec(
             choices=GDN_IMPLS,
         ),
         Flag(
+            "--base-quant",
+            "base_quant",
+            "the frozen base: none (the dtype), nf4 (QLoRA: 4-bit NormalFloat, double-quantized "
+            "scales) or int8; needs --lora-rank",
+            choices=["none", "nf4", "int8"],
+        ),
+        Flag(
             "--no-compile",
             "no_compile",
             "the analytic figures only, in seconds: no XLA compile, the verdict from the analytic peak",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import re
 import types
 import typing
@@ -34,12 +35,23 @@ class ConfigError(ValueError):
     """A config file or override that names an unknown key or holds a value of the wrong type."""
 
 
+def key_name(field: str) -> str:
+    """A field's key in files and overrides: its name, but for a Python keyword, which a field
+    spells with a trailing underscore (PEP 8: `async_`), the keyword itself (`train.async`)."""
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
+
+
+def _keys(cls: type) -> dict[str, str]:
+    """key -> field name of a dataclass's fields."""
+    return {key_name(f.name): f.name for f in dataclasses.fields(cls)}
+
+
 def field_names(cls: type, prefix: str = "") -> list[str]:
     """Every settable dotted key of a dataclass, depth first (`["model.base", "model.dtype", ...]`)."""
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
+        key = f"{prefix}{key_name(f.name)}"
         sub = _dataclass_type(hints[f.name])
         out += field_names(sub, key + ".") if sub is not None else [key]
     return out
@@ -157,8 +169,8 @@ def required_keys(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.init and _required(f):
-            sub = _dataclass_type(hints[f.name])
-            out += required_keys(sub, f"{prefix}{f.name}.") if sub is not None else [prefix + f.name]
+            sub, key = _dataclass_type(hints[f.name]), prefix + key_name(f.name)
+            out += required_keys(sub, f"{key}.") if sub is not None else [key]
     return out
 
 
@@ -178,19 +190,20 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config", p
         raise ConfigError(_at(where, f"{prefix.rstrip('.') or 'config'} must be a mapping, not {data!r}"))
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
-    unknown = sorted(set(data) - {f.name for f in fields})
+    keys = _keys(cls)
+    unknown = sorted(set(data) - set(keys))
     if unknown:
         key = prefix + str(unknown[0])
         raise ConfigError(_at(where, _unknown_message(field_names(cls, prefix), key)))
-    data = dict(data)
+    data = {keys[k]: v for k, v in data.items()}
     for f in fields:
         if f.init and f.name not in data and _required(f):
             if _dataclass_type(hints[f.name]) is None:
-                raise ConfigError(_at(where, f"config key {prefix + f.name!r} is required"))
+                raise ConfigError(_at(where, f"config key {prefix + key_name(f.name)!r} is required"))
             data[f.name] = {}  # a section without a default: its own keys' defaults
     kwargs = {}
     for name, value in data.items():
-        hint, key = hints[name], prefix + name
+        hint, key = hints[name], prefix + key_name(name)
         sub = _dataclass_type(hint)
         if sub is not None:
             kwargs[name] = from_dict(sub, value or {}, where=where, prefix=key + ".")
@@ -205,7 +218,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config", p
 def to_dict(obj: Any) -> Any:
     """A config dataclass as plain YAML/JSON data (tuples become lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {key_name(f.name): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (tuple, list)):
         return [to_dict(x) for x in obj]
     return obj
@@ -338,11 +351,11 @@ def _resolve(cls: type, parts: list[str], key: str) -> Any:
         sub = _dataclass_type(node)
         if sub is None:
             raise ConfigError(f"{'.'.join(parts[:i])} is a value, not a section; cannot set {key!r}")
-        hints = typing.get_type_hints(sub)
-        if p not in hints or p not in {f.name for f in dataclasses.fields(sub)}:
+        hints, keys = typing.get_type_hints(sub), _keys(sub)
+        if p not in keys:
             prefix = ".".join(parts[:i]) + "." if i else ""
             raise ConfigError(_unknown_message(field_names(sub, prefix), key))
-        node = hints[p]
+        node = hints[keys[p]]
     if _dataclass_type(node) is not None:
         raise ConfigError(
             f"{key!r} is a section; set one of its keys: {', '.join(field_names(node, key + '.'))}"

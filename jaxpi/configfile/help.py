@@ -23,7 +23,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxpi.configfile import _dataclass_type
+from jaxpi.configfile import _dataclass_type, key_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +48,21 @@ def describe(cls: type, defaults: Mapping[str, Any] | None = None) -> list[KeyDo
     comments = field_comments(cls)
     values = _flat_defaults(cls)
     for f in dataclasses.fields(cls):
-        sub = _dataclass_type(hints[f.name])
+        sub, name = _dataclass_type(hints[f.name]), key_name(f.name)
         if sub is not None:
             nested = describe(sub)
             out += [
                 dataclasses.replace(
-                    d, key=f"{f.name}.{d.key}", default=values.get(f"{f.name}.{d.key}", d.default)
+                    d, key=f"{name}.{d.key}", default=values.get(f"{name}.{d.key}", d.default)
                 )
                 for d in nested
             ]
         else:
             out.append(
                 KeyDoc(
-                    f.name,
+                    name,
                     _type_text(f.type),
-                    values.get(f.name, dataclasses.MISSING),
+                    values.get(name, dataclasses.MISSING),
                     comments.get(f.name, ""),
                 )
             )
@@ -259,7 +259,7 @@ def _flat_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key, default = prefix + f.name, _default(f)
+        key, default = prefix + key_name(f.name), _default(f)
         sub = _dataclass_type(hints[f.name])
         if sub is None:
             if default is not dataclasses.MISSING:
@@ -276,7 +276,7 @@ def _flat_values(obj: Any, prefix: str) -> dict[str, Any]:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out.update(_flat_values(value, f"{prefix}{f.name}."))
+            out.update(_flat_values(value, f"{prefix}{key_name(f.name)}."))
         else:
-            out[prefix + f.name] = value
+            out[prefix + key_name(f.name)] = value
     return out

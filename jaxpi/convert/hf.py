@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxpi.atomic import atomic_dir
 from jaxpi.config import QwenConfig
+from jaxpi.convert.quantize import QuantTarget, abstract_model, quant_targets
 from jaxpi.convert.safetensors_io import (
     CODES,
     DTYPES,
@@ -45,6 +46,7 @@ from jaxpi.convert.safetensors_io import (
 )
 from jaxpi.convert.table import Rule, stack_index, text_rules
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.quant.stored import part_arrays, quantize_rows
 
 CARRIED_PREFIXES = ("model.visual.", "mtp.")
 FLOAT_CODES = ("F32", "BF16", "F16")
@@ -172,13 +174,17 @@ def load_hf(
     shardings: ShardingFn | None = None,
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
+    base_quant: str = "none",
 ) -> tuple[QwenConfig, Qwen3_5ForCausalLM]:
     """Load a HF Qwen3.5 checkpoint (CausalLM or ConditionalGeneration) into a jaxpi model.
 
     `shardings(path, logical_axes)` may return the `jax.sharding.Sharding` of each parameter
     (its path in the model state, its logical axes with "layers" first for stacked groups);
     each array is then built directly on its devices. `config_overrides` sets runtime fields of
-    `QwenConfig` (e.g. `remat`, `gdn_chunk_size`).
+    `QwenConfig` (e.g. `remat`, `gdn_chunk_size`). `base_quant` "nf4" or "int8" stores every
+    linear layer of the text layers quantized as bitsandbytes would (`jaxpi.convert.quantize`),
+    from its values in `dtype`: the host holds the quantized arrays (~0.52 byte per parameter for
+    nf4) and one HF tensor at a time.
     """
     path = Path(path)
     dtype = jnp.dtype(dtype)
@@ -187,15 +193,20 @@ def load_hf(
         cfg = cfg.replace(**config_overrides)
     index = read_index(path)
     rules, _ = check_checkpoint(cfg, index)
-    abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, dtype, base_quant)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     by_path = {tuple(p): var for p, var in flat}
-    sources = _sources_by_param(cfg, rules)
-    if set(sources) != set(by_path):
-        raise AssertionError(f"weight table and model disagree: {set(sources) ^ set(by_path)}")
-    filled = []
-    items = list(by_path.items())
+    targets = quant_targets(cfg, rules, base_quant) if base_quant != "none" else []
+    quantized = {t.path for t in targets}
+    sources = {p: s for p, s in _sources_by_param(cfg, rules).items() if p not in quantized}
+    quant_leaves = {p for p in by_path if p[:-1] in quantized}
+    if set(sources) | quant_leaves != set(by_path):
+        raise AssertionError(
+            f"weight table and model disagree: {(set(sources) | quant_leaves) ^ set(by_path)}"
+        )
+    filled = _load_quantized(index, targets, by_path, dtype, shardings, progress) if targets else []
+    items = [(p, var) for p, var in by_path.items() if p in sources]
     for p, var in tqdm(items, desc=f"loading {path.name}", disable=not progress, unit="param"):
         # One parameter at a time: its host buffer (all layers of a stacked group) plus one HF
         # tensor, written straight into the buffer (transposed and cast, no temporaries).
@@ -211,6 +222,44 @@ def load_hf(
         del host
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     return cfg, model
+
+
+def _load_quantized(
+    index: dict[str, TensorInfo],
+    targets: list[QuantTarget],
+    by_path: dict[tuple, nnx.Variable],
+    dtype: jnp.dtype,
+    shardings: ShardingFn | None,
+    progress: bool,
+) -> list[tuple[tuple, nnx.Variable]]:
+    """Quantize each targeted HF tensor once (all its parts) and place the stored arrays."""
+    hosts = {
+        p: np.zeros(var.get_value().shape, var.get_value().dtype)
+        for p, var in by_path.items()
+        if p[:-1] in {t.path for t in targets}
+    }
+    by_rule: dict[str, list[QuantTarget]] = {}
+    for t in targets:
+        by_rule.setdefault(t.rule.hf, []).append(t)
+    store = np.dtype(dtype)
+    for name, parts in tqdm(by_rule.items(), desc="quantizing", disable=not progress, unit="tensor"):
+        # the values as loaded in the base dtype (transformers casts before bitsandbytes quantizes)
+        w = read_array(index[name]).astype(store).astype(np.float32)
+        q = quantize_rows(parts[0].layout.kind, w)
+        del w
+        for t in parts:
+            for arr_name, arr in part_arrays(q, t.layout).items():
+                host = hosts[(*t.path, arr_name)]
+                if t.group is None:
+                    host[...] = arr
+                else:
+                    host[t.group] = arr
+    out = []
+    for p, host in hosts.items():
+        var = by_path[p]
+        axes = tuple(var.get_metadata().get("out_sharding") or ())
+        out.append((p, var.replace(_place(host, shardings(p, axes) if shardings else None))))
+    return out
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

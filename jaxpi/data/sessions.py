@@ -78,12 +78,23 @@ __all__ = [
 ]
 
 
+# Inside a directory, the Pi event stream the runner keeps beside each attempt's session (an
+# attempt directory holds its record.json) is not a session: `jaxpi data check runs/eval/X/attempts`
+# reads the sessions only. Named on its own, such a file is read (and refused) like any other.
+EVENTS_NAME, RECORD_NAME = "events.jsonl", "record.json"
+
+
+def _attempt_events(q: Path) -> bool:
+    return q.name == EVENTS_NAME and (q.parent / RECORD_NAME).is_file()
+
+
 def find_jsonl(paths: Iterable[str | Path]) -> list[Path]:
-    """Files as given, directories expanded to their `*.jsonl` files (recursive, sorted)."""
+    """Files as given, directories expanded to their `*.jsonl` files (recursive, sorted; an
+    attempt's event stream left out)."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*.jsonl") if q.is_file())
+            out += sorted(q for q in p.rglob("*.jsonl") if q.is_file() and not _attempt_events(q))
         elif p.is_file():
             out.append(p)
         else:

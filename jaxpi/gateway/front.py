@@ -14,11 +14,12 @@ from jaxpi.runner.attempt import KeyFn, TraceFn
 
 @contextlib.contextmanager
 def gateway_in_front(
-    upstream: str, record_dir: str | None = None
+    upstream: str, record_dir: str | None = None, host: str = "127.0.0.1"
 ) -> Iterator[tuple[str, TraceFn, KeyFn, Any]]:
-    """The recording gateway in front of `upstream`: (its URL, attempt id -> call records,
-    attempt id -> a new token for it, the handle)."""
-    gw = start_gateway(upstream, record_dir=record_dir)
+    """The recording gateway in front of `upstream`, listening on `host` (another machine's
+    Pi attempts need an address of this one they can reach): (its URL, attempt id -> call
+    records, attempt id -> a new token for it, the handle)."""
+    gw = start_gateway(upstream, record_dir=record_dir, host=host)
     try:
 
         def key(attempt_id: str) -> str:

@@ -16,6 +16,7 @@ from flax import nnx
 from jaxpi.config import FULL
 from jaxpi.lora.config import IN_DIMS, TARGETS, LoraConfig, select_modules
 from jaxpi.models.adapters import attach, has_adapters
+from jaxpi.models.quantized import weight_shape_axes
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_location, layer_plan
 
 
@@ -31,6 +32,11 @@ def _stacked(cls: type[nnx.Variable], value: jax.Array, axes: tuple, stacked: bo
     if stacked:
         axes = ("layers", *axes)
     return cls(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def _weight(module: nnx.Module, proj: str) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    """(shape, logical axes) of a projection's base weight, dense or quantized."""
+    return weight_shape_axes(getattr(module, proj))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +85,10 @@ def _plan_module(
         rows = tuple((i, hf) in chosen for i in layers)
         if not any(rows):
             continue
-        shape = getattr(module, projs[0]).get_value().shape[len(lead) :]
+        shape = _weight(module, projs[0])[0][len(lead) :]
         n_in = IN_DIMS.get(projs[0], 1)
         a_shape = (*lead, *shape[:n_in], lcfg.rank)
-        b_shapes = tuple(
-            (*lead, lcfg.rank, *getattr(module, proj).get_value().shape[len(lead) + n_in :]) for proj in projs
-        )
+        b_shapes = tuple((*lead, lcfg.rank, *_weight(module, proj)[0][len(lead) + n_in :]) for proj in projs)
         plans.append(_Plan(hf, a_shape, b_shapes, math.prod(shape[:n_in]), None if all(rows) else rows))
     return plans
 
@@ -95,7 +99,7 @@ def _attach(
     lead = 1 if stacked else 0
     projs = TARGETS[plan.hf][1]
     n_in = IN_DIMS.get(projs[0], 1)
-    axes = getattr(module, projs[0]).get_metadata()["out_sharding"][lead:]
+    axes = _weight(module, projs[0])[1][lead:]
     mask = None
     if plan.rows is not None:
         rows = jnp.asarray(np.asarray(plan.rows, np.float32))  # [G]
@@ -103,7 +107,7 @@ def _attach(
     a_var = _stacked(LoRAParam, a, (*axes[:n_in], "lora_rank"), stacked)
     b_vars = {}
     for proj, b in zip(projs, bs, strict=True):
-        paxes = getattr(module, proj).get_metadata()["out_sharding"][lead:]
+        paxes = _weight(module, proj)[1][lead:]
         b_vars[proj] = _stacked(LoRAParam, b, ("lora_rank", *paxes[n_in:]), stacked)
     attach(module, plan.hf, a_var, b_vars, mask, scale=lcfg.scale, dropout=lcfg.dropout)
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from jaxpi.config import FULL, QwenConfig
 from jaxpi.convert.table import LINEAR_MODULES, LINEAR_NAMES
+from jaxpi.quant import check_base_quant
 
 # Views of the HF table's linear modules (`jaxpi.convert.table.LINEAR_MODULES`).
 # HF module name -> (owning block, our projection attributes). One A per HF module, one B per part.
@@ -51,6 +52,9 @@ class LoraConfig:
     `layers\\.(1|3)\\..*\\.q_proj` (paths look like `layers.0.linear_attn.in_proj_qkv`,
     `layers.3.self_attn.o_proj`, `layers.5.mlp.up_proj`). A module is adapted when all given
     criteria select it; `select_modules` resolves them against a model and rejects an empty match.
+    `base_quant`: how the frozen base is stored under the adapters: "none" (the base dtype),
+    "nf4" (QLoRA: bitsandbytes' 4-bit NormalFloat with double-quantized scales) or "int8"
+    (bitsandbytes' row-wise absmax int8); every linear layer of the text layers is quantized.
     """
 
     rank: int = 16
@@ -59,6 +63,7 @@ class LoraConfig:
     targets: tuple[str, ...] = ALL_LINEAR
     layers: tuple[int, ...] | None = None
     pattern: str | None = None
+    base_quant: str = "none"
 
     def __post_init__(self) -> None:
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
@@ -73,6 +78,7 @@ class LoraConfig:
             raise ValueError(f"unknown LoRA targets {unknown}; known: {list(TARGETS)}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target module")
+        check_base_quant(self.base_quant, "lora.base_quant")
         if self.pattern is not None:
             try:
                 re.compile(self.pattern)

@@ -28,6 +28,7 @@ from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.adapters import adapter_for
 from jaxpi.models.params import constant, constrain, log_uniform, normal, param
+from jaxpi.models.quantized import QuantizedWeight, base_einsum
 
 # Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
 RESID_AXES = ("batch", "seq", "embed")
@@ -65,7 +66,8 @@ def project(
     dropout_key: jax.Array | None = None,
     inference: bool = False,
 ) -> jax.Array:
-    """`einsum(eq, x, W)` for the stored projection `proj`, plus the LoRA update `s·(drop(x)·A)·B`
+    """`einsum(eq, x, W)` for the stored projection `proj` (W a dense `Param`, or a quantized base
+    weight dequantized on the fly: `jaxpi.models.quantized`), plus the LoRA update `s·(drop(x)·A)·B`
     when the module carries an adapter for `proj` (`jaxpi.models.adapters`, filled by
     `jaxpi.lora`); `hf` names the HF module whose A it shares (in_proj_qkv). `drop` is inverted dropout at the adapter's rate, applied only given a key.
 
@@ -75,8 +77,11 @@ def project(
     cache, never differentiated) asks for it and rounds once (`jaxpi.kernels.dense`): the same
     arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights.
     """
-    w = getattr(mod, proj)[...]
-    y = dense(eq, x, w, n_in=n_in) if inference else jnp.einsum(eq, x, w)
+    w = getattr(mod, proj)
+    if inference and not isinstance(w, QuantizedWeight):
+        y = dense(eq, x, w[...], n_in=n_in)
+    else:
+        y = base_einsum(mod, proj, eq, x)  # a dense Param or a quantized base weight
     name = hf or proj
     if _TAPS is not None:
         _TAPS.append((name, x))

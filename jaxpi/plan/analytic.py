@@ -67,6 +67,31 @@ def _group_param_bytes(state: nnx.State, shardings: nnx.State) -> tuple[int, int
     return full, local
 
 
+def _dequantized_bytes(setup: Setup) -> int:
+    """A quantized base's weights of one remat unit rebuilt in the compute dtype, per device: each
+    projection is dequantized right before its matmul from its codes as gathered for the use
+    (whole over the batch axes, split over the others), and its backward rebuilds it again. The
+    larger of one scanned group's and one tail layer's; 0 for a dense base."""
+    req, sizes = setup.req, setup.sizes
+    act = jnp.dtype(req.dtype).itemsize
+    batch_axes = {a for a in _axes_of(setup.strategy.activations.get("batch")) if sizes.get(a, 1) > 1}
+    groups = layer_plan(setup.cfg)[1]
+    shard = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(setup.p_shard)}
+    units: dict[object, int] = {}
+    for path, var in nnx.to_flat_state(setup.state):
+        path = tuple(path)
+        if path[-1] != "codes":
+            continue
+        x, s = var.get_value(), shard[path]
+        used = {a for entry in s.spec for a in _axes_of(entry)}
+        per_code = 2 if jnp.dtype(x.dtype) == jnp.uint8 else 1  # nf4: two weights per byte
+        weights = int(np.prod(s.shard_shape(tuple(x.shape)))) * math.prod(sizes[a] for a in used & batch_axes)
+        stacked = path[0] == "groups"
+        unit = "groups" if stacked else path[:2]  # ("tail", j): one tail layer
+        units[unit] = units.get(unit, 0) + weights * per_code * act // (groups if stacked else 1)
+    return max(units.values(), default=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What both analytic estimates read: the request, its model and strategy, the mesh sizes and
@@ -234,7 +259,7 @@ def temp_terms(setup: Setup, train_local: int) -> dict[str, int]:
     if req.remat != "none":
         saved += resid * n_units  # each unit's input, what the recomputation starts from
     full, local = _group_param_bytes(setup.state, setup.p_shard)
-    gathered = 2 * (full - local)
+    gathered = 2 * (full - local) + _dequantized_bytes(setup)
     grads = max(layers[ty].total for ty in set(cfg.layer_types))
 
     def backward(unit: tuple[str, ...]) -> int:

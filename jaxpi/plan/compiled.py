@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpi import compile_cache
 from jaxpi.config import QwenConfig, preset
+from jaxpi.convert.quantize import quantize_structure
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.plan.analytic import Setup, activation_estimate, collectives_estimate, degree, local_bytes
@@ -37,8 +38,10 @@ from sharding.strategies import (
 )
 
 
-def _build(cfg: QwenConfig, dtype: jnp.dtype, lora_rank: int | None) -> Qwen3_5ForCausalLM:
-    model = Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+def _build(
+    cfg: QwenConfig, dtype: jnp.dtype, lora_rank: int | None, base_quant: str = "none"
+) -> Qwen3_5ForCausalLM:
+    model = quantize_structure(Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
     if lora_rank:
         add_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
     return model
@@ -92,7 +95,7 @@ def plan(req: PlanRequest, *, progress: bool = True) -> PlanResult:
     dtype = jnp.dtype(req.dtype)
     trainable = LoRAParam if req.lora_rank else nnx.Param
 
-    abstract = nnx.eval_shape(lambda: _build(cfg, dtype, req.lora_rank))
+    abstract = nnx.eval_shape(lambda: _build(cfg, dtype, req.lora_rank, req.base_quant))
     graphdef, state = nnx.split(abstract)
     fallbacks: list[Fallback] = []
     p_shard = param_shardings(state, strategy, mesh, fallbacks=fallbacks)

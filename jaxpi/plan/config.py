@@ -10,6 +10,7 @@ import math
 from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES
 from jaxpi.configfile import parse_size
 from jaxpi.plan.presets import load_preset
+from jaxpi.quant import BASE_QUANTS
 
 DTYPES = ("bfloat16", "float32")
 
@@ -37,6 +38,8 @@ class PlanConfig:
     # true: the analytic figures only, in seconds (the peak and the fit verdict are then the
     # analytic arguments + temp, which ran 8-31% below the compiled temp on one device)
     no_compile: bool = False
+    # the frozen base: none (dtype), nf4 or int8 (QLoRA; needs lora_rank)
+    base_quant: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(s.strip() for s in self.compare if s.strip()))
@@ -61,6 +64,13 @@ class PlanConfig:
             errors.append(f"lora_rank must be >= 1, got {self.lora_rank}")
         if self.loss_chunk < 0:
             errors.append(f"loss_chunk must be >= 0 (0: the LM head at once), got {self.loss_chunk}")
+        if self.base_quant not in BASE_QUANTS:
+            errors.append(f"base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
+        elif self.base_quant != "none" and self.lora_rank is None:
+            errors.append(
+                f"base_quant {self.base_quant!r} needs LoRA (--lora-rank): a quantized base is frozen, "
+                "and without lora_rank the plan is full fine-tuning"
+            )
         for name, allowed in (
             ("dtype", DTYPES),
             ("remat", REMAT_POLICIES),
@@ -94,6 +104,7 @@ class PlanConfig:
             "attn_impl": self.attn_impl,
             "gdn_impl": self.gdn_impl,
             "compile": not self.no_compile,
+            "base_quant": self.base_quant,
         }
 
     @property

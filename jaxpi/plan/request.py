@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES
+from jaxpi.quant import check_base_quant
 from sharding.mesh import parse_mesh_spec
 from sharding.strategies import get_strategy
 
@@ -27,6 +28,7 @@ class PlanRequest:
     attn_impl: str = "jax"  # QwenConfig.attn_impl: "jax" (blocked, scores kept) | "pallas" (flash)
     gdn_impl: str = "jax"  # QwenConfig.gdn_impl (one of GDN_IMPLS)
     compile: bool = True  # False: the analytic figures only (seconds, not a minute of XLA compile)
+    base_quant: str = "none"  # the frozen base: none (dtype) | nf4 | int8 (needs LoRA: QLoRA)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch_per_device < 1:
@@ -41,6 +43,12 @@ class PlanRequest:
             raise ValueError(f"gdn_impl {self.gdn_impl!r} is not one of {GDN_IMPLS}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError("lora_rank must be >= 1")
+        check_base_quant(self.base_quant)
+        if self.base_quant != "none" and self.lora_rank is None:
+            raise ValueError(
+                f"base_quant {self.base_quant!r} needs LoRA (lora_rank): a quantized base is frozen, "
+                "and without lora_rank the plan is full fine-tuning, which trains the base"
+            )
         parse_mesh_spec(self.mesh)
         get_strategy(self.strategy)
 

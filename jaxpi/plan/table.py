@@ -64,7 +64,8 @@ def format_table(results: list[PlanResult]) -> str:
         + (f"  loss_chunk {r0.loss_chunk}" if r0.loss_chunk else "")
         + (f"  attn_impl {r0.attn_impl}" if r0.attn_impl != "jax" else "")
         + (f"  gdn_impl {r0.gdn_impl}" if r0.gdn_impl != "jax" else "")
-        + (f"  LoRA rank {r0.lora_rank}" if r0.lora_rank else "  full fine-tuning"),
+        + (f"  LoRA rank {r0.lora_rank}" if r0.lora_rank else "  full fine-tuning")
+        + (f"  base {r0.base_quant}" if r0.base_quant != "none" else ""),
     )
     notes = sorted({f for r in results for f in r.fallbacks})
     if notes:

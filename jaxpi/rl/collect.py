@@ -41,6 +41,64 @@ def draw_tasks(n_pool: int, n: int, seed: int, step: int) -> list[int]:
     return sorted(rng.choice(n_pool, size=n, replace=False).tolist())
 
 
+@dataclasses.dataclass(frozen=True)
+class Wave:
+    """One engine call's worth of a collection: attempts `start .. start + len(pairs)` of it."""
+
+    start: int
+    pairs: list[tuple[Any, str]]  # (task, level)
+    params: SamplingParams
+    env_seed: int
+
+
+def collection_waves(
+    cfg: GRPOConfig, tasks: Sequence[Any], group: int, seed: int, batch_size: int
+) -> list[Wave]:
+    """Every task at every level, `group` attempts each, in waves of at most `collect.engine_batch`
+    (else `batch_size`) sessions: the one layout the in-process collector and the Ray fleet share,
+    so both sample every attempt with the same keys."""
+    c = cfg.collect
+    pairs = [(t, level) for t in tasks for level in cfg.reward.levels for _ in range(group)]
+    size = min(len(pairs), c.engine_batch or batch_size)
+    waves = []
+    for start in range(0, len(pairs), size):
+        # Seeds follow the attempt's index in the collection, not the wave layout's.
+        params = SamplingParams(
+            temperature=c.temperature,
+            top_p=c.top_p,
+            max_new_tokens=c.max_new_tokens,
+            seed=seed + 104_729 * start,
+        )
+        waves.append(Wave(start, pairs[start : start + size], params, seed + start))
+    return waves
+
+
+def run_wave(
+    cfg: GRPOConfig,
+    engine: Any,
+    tokenizer: Any,
+    env: Any,
+    render_cfg: Any,
+    wave: Wave,
+    progress: Callable[[bool, int], Any] | None = None,
+) -> list[Trajectory]:
+    """The attempts of one wave through the agent loop on `engine`."""
+    c = cfg.collect
+    return run_attempts(
+        engine,
+        tokenizer,
+        wave.pairs,
+        wave.params,
+        env=env,
+        render_cfg=render_cfg,
+        max_turns=c.max_turns,
+        max_tokens=c.max_tokens,
+        max_context=c.max_context,
+        seed=wave.env_seed,
+        on_end=progress,
+    )
+
+
 class Collector:
     """Runs (task, level) attempts on the engine in waves of at most `engine_batch` sessions."""
 
@@ -52,34 +110,11 @@ class Collector:
         self, tasks: Sequence[Any], group: int, seed: int, progress: Callable[[bool, int], Any] | None = None
     ) -> list[Trajectory]:
         """Every task at every level, `group` attempts each; `progress(success, tokens)` as each ends."""
-        c = self.cfg.collect
-        pairs = [(t, level) for t in tasks for level in self.cfg.reward.levels for _ in range(group)]
-        wave = min(len(pairs), c.engine_batch or self.engine.batch_size)
         out: list[Trajectory] = []
-        self.versions = []
-        for start in range(0, len(pairs), wave):
-            # Seeds follow the attempt's index in the collection, not the wave layout's.
-            params = SamplingParams(
-                temperature=c.temperature,
-                top_p=c.top_p,
-                max_new_tokens=c.max_new_tokens,
-                seed=seed + 104_729 * start,
-            )
-            out += run_attempts(
-                self.engine,
-                self.tok,
-                pairs[start : start + wave],
-                params,
-                env=self.env,
-                render_cfg=self.render_cfg,
-                max_turns=c.max_turns,
-                max_tokens=c.max_tokens,
-                max_context=c.max_context,
-                seed=seed + start,
-                on_end=progress,
-            )
-            # None: the engine does not track versions (JaxEngine holds the current policy by construction).
-            self.versions += [getattr(self.engine, "policy_version", None)] * (len(out) - len(self.versions))
+        for wave in collection_waves(self.cfg, tasks, group, seed, self.engine.batch_size):
+            out += run_wave(self.cfg, self.engine, self.tok, self.env, self.render_cfg, wave, progress)
+        # None: the engine does not track versions (JaxEngine holds the current policy by construction).
+        self.versions = [getattr(self.engine, "policy_version", None)] * len(out)
         return out
 
 

@@ -24,6 +24,7 @@ from jaxpi.train.schedule import OptimConfig
 # config only checks the name.
 ENVS = ("lookup", "pi")
 ENGINES = ("jax", "vllm")
+BACKENDS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +93,31 @@ class CollectConfig:
     collection_retries: int = 2  # a collection hit by an engine failure is redone this many times
     retry_wait_s: float = 60.0  # how long to wait for an external server's /health before a redo
     max_staleness: int = 0  # attempts sampled by a policy more than this many updates old are not admitted
+    # Where attempts run: "local" (this process: the agent loop, or Pi attempts on env.jobs threads)
+    # or "ray" (a Ray fleet: rollout workers with engines of their own for the lookup env, one
+    # sandboxed Pi attempt per task for env.name=pi; jaxpi.rl.fleet, docs/grpo.md "Scaling out")
+    backend: str = "local"
+    ray_address: str = ""  # a running cluster (`ray start --head`: HOST:PORT); "" = start one for the run
+    ray_workers: int = 2  # rollout worker processes (lookup) / Pi attempts in flight (pi)
+    ray_worker_cpus: float = 1.0  # Ray CPUs each worker (or Pi attempt) takes: how many fit a node
+    worker_retries: int = 2  # a wave (or Pi attempt) whose worker died is redone this many times
+    fleet_wait_s: float = 300.0  # how long a collection waits for a live worker before failing
+    # env.name=pi with backend=ray: the address the run's gateway listens on, which every node's
+    # Pi attempts must reach (this host's address on the cluster's network; one machine: 127.0.0.1)
+    gateway_host: str = "127.0.0.1"
     probe_tol: float = 0.03  # vLLM-vs-jaxpi probe tolerance (mean |dlogp|, nats; docs/vllm.md)
 
     def __post_init__(self) -> None:
         errors = []
+        if self.backend not in BACKENDS:
+            errors.append(f"collect.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.ray_workers < 1 or not self.ray_worker_cpus >= 0 or self.worker_retries < 0:
+            errors.append(
+                "collect.ray_workers must be >= 1, ray_worker_cpus >= 0 and worker_retries >= 0, got "
+                f"{self.ray_workers}, {self.ray_worker_cpus}, {self.worker_retries}"
+            )
+        if not self.fleet_wait_s > 0:
+            errors.append(f"collect.fleet_wait_s must be > 0, got {self.fleet_wait_s}")
         if self.engine not in ENGINES:
             errors.append(f"collect.engine must be one of {list(ENGINES)}, got {self.engine!r}")
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
@@ -145,6 +167,10 @@ class GRPOTrainConfig:
     # during a collection, a progress line (attempts done, pass rate, tok/s) at most every N seconds
     # and at its end; 0 = at every finished attempt
     collection_log_s: float = 30.0
+    # Asynchronous GRPO (collect.backend=ray): collection s+1 runs on the fleet, sampled by the
+    # policy after s updates, while update s is made, so every trained attempt is one version
+    # stale (collect.max_staleness must allow 1); the key is `train.async`
+    async_: bool = False
 
     def __post_init__(self) -> None:
         errors = []
@@ -192,6 +218,27 @@ class GRPOConfig:
     output: GRPOOutputConfig = dataclasses.field(default_factory=GRPOOutputConfig)
 
     def __post_init__(self) -> None:
+        c = self.collect
+        if self.lora.base_quant != "none":
+            # the policy's rollouts (JAX engine, vLLM) serve the dense base; a quantized trainer
+            # base would make every importance weight carry the quantization error
+            raise ValueError(
+                f"lora.base_quant={self.lora.base_quant!r}: jaxpi grpo trains on the dense base "
+                "(model.dtype); quantized bases are for jaxpi sft"
+            )
+        if c.backend == "ray" and c.engine != "jax":
+            raise ValueError(
+                "collect.backend=ray samples with engines of the fleet's own (collect.engine=jax); "
+                "a vLLM server is collect.backend=local with collect.engine=vllm"
+            )
+        if self.train.async_ and c.backend != "ray":
+            raise ValueError(
+                "train.async needs collect.backend=ray: the fleet samples while the trainer updates"
+            )
+        if self.train.async_ and c.max_staleness < 1:
+            raise ValueError(
+                "train.async trains on attempts one policy version old: set collect.max_staleness >= 1"
+            )
         rows = self.collect.tasks * len(self.reward.levels) * self.collect.group
         if rows % self.train.grad_accum:
             raise ValueError(

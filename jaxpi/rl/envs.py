@@ -12,24 +12,29 @@ from typing import Any
 
 from jaxpi.envs.toy import LookupEnv, make_tasks
 from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.fleet.collector import make_fleet_collector
+from jaxpi.rl.fleet.pi import make_fleet_pi_collector
 from jaxpi.rl.pi_env import PiCollector, make_pi_env
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvEntry:
-    """How the trainer gets an environment: `make(cfg) -> (env, task pool, held-out tasks)`, and
-    optionally its own collector class (same constructor and `run` as `Collector`)."""
+    """How the trainer gets an environment: `make(cfg) -> (env, task pool, held-out tasks)`,
+    optionally its own collector class (same constructor and `run` as `Collector`), and how its
+    collections run on a Ray fleet (`collect.backend=ray`): `fleet(cfg, policy, tokenizer, env,
+    render_cfg, version, log)` -> a collector (default: rollout workers with engines of their own)."""
 
     make: Any
     collector: Any = None
+    fleet: Any = make_fleet_collector
 
 
 _ENVS: dict[str, EnvEntry] = {}
 
 
-def register_env(name: str, make: Any, collector: Any = None) -> None:
+def register_env(name: str, make: Any, collector: Any = None, fleet: Any = make_fleet_collector) -> None:
     """Make `env.name: <name>` available to `jaxpi grpo`."""
-    _ENVS[name] = EnvEntry(make, collector)
+    _ENVS[name] = EnvEntry(make, collector, fleet)
 
 
 def env_entry(name: str) -> EnvEntry:
@@ -52,4 +57,4 @@ def _make_lookup(cfg: GRPOConfig) -> tuple[LookupEnv, list[Any], list[Any]]:
 
 
 register_env("lookup", _make_lookup)
-register_env("pi", make_pi_env, PiCollector)
+register_env("pi", make_pi_env, PiCollector, make_fleet_pi_collector)

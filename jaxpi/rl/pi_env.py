@@ -113,7 +113,16 @@ class PiCollector:
     context, `collect.max_turns/max_tokens` the attempt limits. `env` is the `PiEnv` from `make_pi_env`.
     """
 
-    def __init__(self, cfg: GRPOConfig, engine: Any, tokenizer: Any, env: PiEnv, render_cfg: Any) -> None:
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        engine: Any,
+        tokenizer: Any,
+        env: PiEnv,
+        render_cfg: Any,
+        *,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.cfg, self.engine, self.env = cfg, engine, env
         self.think = think_ids(tokenizer)
         self.versions: list[int | None] = []
@@ -130,7 +139,7 @@ class PiCollector:
             max_new_tokens=c.max_new_tokens,
             batch_wait_ms=20.0,
         )
-        self._gw_cm = gateway_in_front(self._server.url)
+        self._gw_cm = gateway_in_front(self._server.url, host=host)
         self._url, self._trace, self._key, _ = self._gw_cm.__enter__()
         self._out = Path(env.out_dir or tempfile.mkdtemp(prefix="jaxpi-pi-collect-"))
         self._counter = itertools.count()
@@ -150,17 +159,17 @@ class PiCollector:
             seed=seed,
         )
 
+    def jobs(self, tasks: Sequence[Task], group: int) -> tuple[int, list[tuple[Task, str, str]]]:
+        """(collection number, its (task, level, attempt id) jobs): every task at every level,
+        `group` attempts each. Ids are unique across collections: the gateway keys records by them."""
+        n = next(self._counter)
+        pairs = [(t, lv) for t in tasks for lv in self.cfg.reward.levels for _ in range(group)]
+        return n, [(t, level, f"c{n:05d}-{i:04d}-{t.id}-{level}") for i, (t, level) in enumerate(pairs)]
+
     def run(
         self, tasks: Sequence[Task], group: int, seed: int, progress: Callable[[bool, int], Any] | None = None
     ) -> list[Trajectory]:
-        # Ids are unique across collections: the gateway keys every record by them.
-        n = next(self._counter)
-        jobs = [
-            (t, level, f"c{n:05d}-{i:04d}-{t.id}-{level}")
-            for i, (t, level) in enumerate(
-                (t, lv) for t in tasks for lv in self.cfg.reward.levels for _ in range(group)
-            )
-        ]
+        n, jobs = self.jobs(tasks, group)
         recs = run_attempts(
             jobs,
             self._url,
@@ -170,13 +179,19 @@ class PiCollector:
             key=self._key,  # each attempt's calls reach the gateway under a token of its own
             progress=None if progress is None else lambda rec: progress(rec.success, rec.output_tokens),
         )
-        self.records = recs
+        return self.trajectories(recs)
+
+    def trajectories(self, recs: Sequence[AttemptRecord]) -> list[Trajectory]:
+        """GRPO's trajectories of a collection's attempt records; the gateway's split statistics
+        into `last_stats`."""
+        self.records = list(recs)
         out, merged = [], []
         for rec in recs:
             calls = [c for c in rec.calls if not c.get("error")]
             merged.append(build_samples(calls, *self.think, attempt=rec.attempt_id))
             out.append(attempt_trajectory(rec, rec.calls, self.think))
-        self.last_stats = split_stats(merged)
+        # into the run's metrics (jaxpi.rl.sampling.Sampler.collect), under gateway/
+        self.last_stats = {f"gateway/{k}": float(v) for k, v in split_stats(merged).items()}
         # None: the engine does not track versions (the trainer's JaxEngine is the current policy).
         self.versions = [getattr(self.engine, "policy_version", None)] * len(out)
         return out

@@ -28,6 +28,15 @@ RESUME_FREE = (
     "collection_retries",
     "retry_wait_s",
     "probe_tol",
+    # the fleet: a resumed run may join another cluster, or run its waves on more or fewer workers
+    # (or in this process: a synchronous Ray collection is the local one, token for token)
+    "backend",
+    "ray_address",
+    "ray_workers",
+    "ray_worker_cpus",
+    "worker_retries",
+    "fleet_wait_s",
+    "gateway_host",
 )
 # Sections that define what a checkpoint means: a resumed run must not change them.
 FIXED_ON_RESUME = (
@@ -43,6 +52,7 @@ FIXED_ON_RESUME = (
     "train.grad_accum",
     "train.eval_every",
     "train.eval_group",
+    "train.async",  # which policy samples each collection
 )
 
 

@@ -147,12 +147,37 @@ class Sampler:
                 trajs = self.collector.run(tasks, group, seed, None if progress is None else progress.done)
                 if progress is not None:
                     progress.end()
-                versions = [step if v is None else v for v in self.collector.versions] or [step] * len(trajs)
-                return admit_fresh(trajs, versions, step, self.cfg.collect.max_staleness), versions
+                return self.finish(trajs, self.collector.versions, step, split)
             except RECOVERABLE as e:
                 lost = len(tasks) * len(self.cfg.reward.levels) * group
                 self._failed(e, split, step, lost, attempt + 1, tries)
         raise AssertionError("unreachable")
+
+    def submit(self, tasks: Sequence[Any], group: int, seed: int) -> Any:
+        """Hand a collection to the fleet (asynchronous GRPO); sampled by the policy set last."""
+        return self.collector.submit(tasks, group, seed)
+
+    def wait(
+        self, handle: Any, step: int, progress: CollectionProgress | None = None
+    ) -> tuple[list[Trajectory], list[int]]:
+        """A submitted collection's trajectories (stale ones not admitted), trained at `step`."""
+        if progress is not None:
+            progress.begin()
+        trajs, versions = self.collector.wait(handle, None if progress is None else progress.done)
+        if progress is not None:
+            progress.end()
+        return self.finish(trajs, versions, step)
+
+    def finish(
+        self, trajs: list[Trajectory], versions: Sequence[int | None], step: int, split: str = "train"
+    ) -> tuple[list[Trajectory], list[int]]:
+        """A collection's trajectories with the stale ones not admitted, and the version behind
+        each (unknown: `step`); the collector's own numbers (`last_stats`) go to the next record,
+        an evaluation's under eval/."""
+        versions = [step if v is None else v for v in versions] or [step] * len(trajs)
+        prefix = "" if split == "train" else f"{split}/"
+        self.pending.update({prefix + k: v for k, v in getattr(self.collector, "last_stats", {}).items()})
+        return admit_fresh(trajs, versions, step, self.cfg.collect.max_staleness), versions
 
     def _failed(self, e: Exception, split: str, step: int, lost: int, attempt: int, tries: int) -> None:
         """Log a failed try; stop the run after the last one, else recover the engine for a redo."""
@@ -193,10 +218,13 @@ class Sampler:
         except RECOVERABLE as e2:
             print(f"recovery failed: {e2}", file=self.out, flush=True)
 
-    def updated(self) -> None:
-        """After an update: the embedded engine takes the new adapters at once (vLLM gets them
-        pushed and probed before the next collection, inside its retries)."""
-        if self.backend is None:
+    def updated(self, version: int) -> None:
+        """After an update (the policy is now `version`): the embedded engine takes the new
+        adapters at once, the Ray fleet for the waves submitted from now on (vLLM gets them pushed
+        and probed before the next collection, inside its retries)."""
+        if hasattr(self.collector, "set_policy"):
+            self.collector.set_policy(version, self.pol.train)
+        elif self.backend is None:
             self.engine.update_weights(self.pol.train)
 
     def take_pending(self) -> dict[str, float]:

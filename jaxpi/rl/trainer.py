@@ -89,6 +89,9 @@ class Run:
     held: list[Any]
     store: CheckpointStore
     sampler: Sampler
+    # the adapter the next training collection is sampled by under train.async (the policy one
+    # update older than `pol.train`; at a run's start, its first policy)
+    sampler_adapter: Any
     attempts_file: IO[str]
     log: MetricsLog
     schedule: Any
@@ -114,9 +117,14 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
                 summary = evaluate(run, 0)
                 if summary:
                     run.log.write({"step": 0, **summary, "time": time.time() - t_run})
-            for s in range(run.start, cfg.train.collections):
-                summary = one_update(run, s, t_run)
-                made.keep()
+            if cfg.train.async_:
+                for s, collected in pipelined_collections(run):
+                    summary = one_update(run, s, t_run, collected)
+                    made.keep()
+            else:
+                for s in range(run.start, cfg.train.collections):
+                    summary = one_update(run, s, t_run)
+                    made.keep()
         finally:
             run.close()
     if not summary and run.log.path.exists():  # resumed after the last update: its record
@@ -131,22 +139,71 @@ def run_grpo(cfg: GRPOConfig, *, progress: bool = True, out: Any = None) -> dict
     }
 
 
-def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
-    """Collection `s` and the update made from it: collect → score → batch → update → evaluate
-    (when due after s + 1 updates) → log → checkpoint. Returns the metrics record of step s + 1."""
+def collection_tasks(run: Run, s: int) -> tuple[list[Any], int]:
+    """The tasks and the seed of training collection `s` (functions of train.seed and s)."""
     cfg = run.cfg
-    t0 = time.time()
     tasks = [run.pool[i] for i in draw_tasks(len(run.pool), cfg.collect.tasks, cfg.train.seed, s)]
-    seed = collection_seed(cfg.train.seed, s, "train")
-    watch = collection_progress(
-        run, f"collection {s + 1}/{cfg.train.collections}", len(tasks), cfg.collect.group
-    )
-    trajs, versions = run.sampler.collect("train", s, tasks, cfg.collect.group, seed, watch)
-    t_collect = time.time() - t0
+    return tasks, collection_seed(cfg.train.seed, s, "train")
+
+
+def pipelined_collections(run: Run) -> Any:
+    """Asynchronous GRPO on the fleet (`train.async`): yields (s, collection s) for every update
+    left, collection s + 1 handed to the fleet before update s is made, so the two overlap.
+
+    The schedule is fixed, not a race: collection s is sampled by the policy after s - 1 updates
+    (the first collection of a run by the first policy), whatever the timing, so every trained
+    attempt is one version stale (the capped importance weight corrects for the gap) and a run
+    resumed from the checkpoint after k updates samples collection k again with the adapter that
+    checkpoint keeps for it (`sampler`), as the run it resumes did.
+    """
+    cfg, sampler = run.cfg, run.sampler
+    if run.start >= cfg.train.collections:
+        return
+    sampler.collector.set_policy(max(run.start - 1, 0), run.sampler_adapter)
+    handle = sampler.submit(*_submission(run, run.start))
+    for s in range(run.start, cfg.train.collections):
+        t0 = time.time()
+        tasks, _ = collection_tasks(run, s)
+        watch = collection_progress(
+            run, f"collection {s + 1}/{cfg.train.collections}", len(tasks), cfg.collect.group
+        )
+        trajs, versions = sampler.wait(handle, s, watch)
+        t_collect = time.time() - t0
+        if s + 1 < cfg.train.collections:
+            sampler.collector.set_policy(s, run.pol.train)  # the policy after s updates
+            handle = sampler.submit(*_submission(run, s + 1))
+        yield s, (trajs, versions, t_collect)
+
+
+def _submission(run: Run, s: int) -> tuple[list[Any], int, int]:
+    tasks, seed = collection_tasks(run, s)
+    return tasks, run.cfg.collect.group, seed
+
+
+def one_update(
+    run: Run, s: int, t_run: float, collected: tuple[Any, Any, float] | None = None
+) -> dict[str, Any]:
+    """Collection `s` and the update made from it: collect → score → batch → update → evaluate
+    (when due after s + 1 updates) → log → checkpoint. Returns the metrics record of step s + 1.
+    `collected`: the collection already made (trajectories, versions, seconds), asynchronous GRPO."""
+    cfg = run.cfg
+    if collected is None:
+        t0 = time.time()
+        tasks, seed = collection_tasks(run, s)
+        watch = collection_progress(
+            run, f"collection {s + 1}/{cfg.train.collections}", len(tasks), cfg.collect.group
+        )
+        trajs, versions = run.sampler.collect("train", s, tasks, cfg.collect.group, seed, watch)
+        t_collect = time.time() - t0
+    else:
+        trajs, versions, t_collect = collected
     score = score_and_record(run, "train", s, trajs, versions)
     t1 = time.time()
     batch = make_batch(run, trajs, score)
     gap = engine_gap_metrics(batch["logp_old"], batch["logp_engine"], batch["loss_mask"], cfg.loss.is_cap)
+    # Asynchronous GRPO samples collection s + 1 with the policy before this update: the
+    # checkpoint after it keeps that adapter for a resume.
+    run.sampler_adapter = run.pol.train
     loss, grad_norm = update(run, batch, s)
     t_update = time.time() - t1
     # Engine failures and probes of this update's collection (an evaluation's go in the next record).
@@ -168,6 +225,7 @@ def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
         "update_s": t_update,
         "tokens_per_s": sampled / max(t_collect, 1e-9),
         "time": time.time() - t_run,
+        **staleness_metrics(versions, s),
         **gap,
         **level_metrics("", trajs, score, cfg.reward.levels),
         **eval_metrics,
@@ -176,6 +234,14 @@ def one_update(run: Run, s: int, t_run: float) -> dict[str, Any]:
     log_update(run, rec, t_collect, t_update)
     checkpoint(run, s + 1)
     return rec
+
+
+def staleness_metrics(versions: list[int], current: int) -> dict[str, float]:
+    """How many updates old the policy behind each attempt of the collection trained at update
+    `current` was: a histogram (`staleness/<k>`) and the largest."""
+    ages = [current - int(v) for v in versions]
+    out = {f"staleness/{k}": float(ages.count(k)) for k in sorted(set(ages))}
+    return {**out, "staleness/max": float(max(ages, default=0))}
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
@@ -248,7 +314,7 @@ def update(run: Run, batch: dict[str, np.ndarray], s: int) -> tuple[float, float
             f"non-finite GRPO loss/gradient norm at update {s + 1} ({loss}, {grad_norm}); "
             f"the last checkpoint is step {run.store.latest_step()}"
         )
-    run.sampler.updated()
+    run.sampler.updated(s + 1)
     return loss, grad_norm
 
 
@@ -265,7 +331,8 @@ def checkpoint(run: Run, step: int) -> None:
     cfg = run.cfg
     if step % cfg.train.checkpoint_every == 0 or step == cfg.train.collections:
         trainer_state = {"step": step, "seed": cfg.train.seed}
-        run.store.save(step, run.pol.train, run.opt_state, trainer_state, {**run.meta, "step": step})
+        sampler = run.sampler_adapter if cfg.train.async_ else None
+        run.store.save(step, run.pol.train, run.opt_state, trainer_state, {**run.meta, "step": step}, sampler)
 
 
 # ---- start-up ------------------------------------------------------------------------------------
@@ -323,20 +390,33 @@ def _open(
     # numpy argument lowers without a sharding, a committed one with it).
     pol.train, opt_state = jax.device_put((pol.train, opt_state), jax.devices()[0])
     ref_train = pol.train
+    sampler_adapter = pol.train
     if start:
         restored = store.restore(start, pol.train, opt_state)
         pol.train, opt_state = restored.adapter, restored.opt_state
+        if cfg.train.async_ and restored.sampler is None:
+            raise ValueError(
+                f"{store.step_dir(start)} keeps no sampler adapter: it was not written by a train.async run"
+            )
+        sampler_adapter = restored.sampler if restored.sampler is not None else pol.train
         if restored.trainer.get("seed") != cfg.train.seed:
             raise ValueError("the checkpoint's train.seed does not match the config")
         print(f"resumed from {store.step_dir(start)} (after update {start})", file=out, flush=True)
 
-    engine, backend = open_engine(cfg, pol, run_dir, out)
-    try:
-        collector = (entry.collector or Collector)(cfg, engine, tok, env, render_cfg)
-    except BaseException:
-        if backend is not None:  # a vLLM server started for this run
-            backend.close()
-        raise
+    if cfg.collect.backend == "ray":
+        # The fleet's workers sample with engines of their own: the trainer builds none.
+        engine, backend = None, None
+        collector = entry.fleet(
+            cfg, pol, tok, env, render_cfg, start, lambda m: print(m, file=out, flush=True)
+        )
+    else:
+        engine, backend = open_engine(cfg, pol, run_dir, out)
+        try:
+            collector = (entry.collector or Collector)(cfg, engine, tok, env, render_cfg)
+        except BaseException:
+            if backend is not None:  # a vLLM server started for this run
+                backend.close()
+            raise
     sampler = Sampler(cfg, pol, programs.logp, engine, backend, collector, run_dir, store, out)
     attempts_path = run_dir / "attempts.jsonl"
     truncate_attempts(attempts_path, start)
@@ -373,6 +453,7 @@ def _open(
         held=held,
         store=store,
         sampler=sampler,
+        sampler_adapter=sampler_adapter,
         attempts_file=attempts_path.open("a"),
         log=log,
         schedule=lr_schedule(cfg.optim, cfg.train.collections),

@@ -385,6 +385,11 @@ def _run(
     if ver.returncode in (126, 127):  # bash could not run the test script at all
         return reject("verifier_error", f"verifier exited {ver.returncode}", turns, output, reasoning)
     finish = summary.limit or ("length" if summary.last_stop == "length" else "answer")
+    # The verifier's outcome beside the session, where the session reader looks for it (a sidecar,
+    # `jaxpi.data.sessions`): an evaluation's or a collection's attempts feed `jaxpi data check` and
+    # `jaxpi sft` as they are.
+    meta = {"task_id": task.id, "verified": ver.returncode == 0, "effort": level}
+    write_text(out / (session.name + ".meta.json"), json.dumps(meta))
     return AttemptRecord(
         admitted=True,
         # An attempt cut at a limit is scored like any other: the verifier looks at the workspace.

@@ -11,6 +11,7 @@ cap ("length"; Pi takes the cut text as its answer). It is *not admitted*, with 
     malformed_session  Pi left no readable session file, or one without an assistant turn
     verifier_error     the verifier itself could not run (killed at its limit, or not bash's exit)
     pi_error           Pi exited non-zero for any other reason
+    worker_lost        the Ray worker running the attempt died, every try (`jaxpi.rl.fleet.pi`)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ NOT_ADMITTED = (
     "malformed_session",
     "verifier_error",
     "pi_error",
+    "worker_lost",
 )
 FINISHES = ("answer", "length", "max_turns", "max_tokens")
 

@@ -1,6 +1,6 @@
 """The LoRA SFT loop: `run_sft(cfg)`, what `jaxpi sft` runs.
 
-    base HF checkpoint (frozen, model.dtype) + LoRA adapters (float32)
+    base HF checkpoint (frozen, model.dtype; or nf4/int8 with lora.base_quant) + LoRA adapters (float32)
       ← AdamW (warmup + cosine, weight decay, global-norm clipping), optimizer state float32
       ← packed batches of admitted sessions (loss on assistant tokens), k microbatches per step
 
@@ -39,9 +39,10 @@ from jaxpi.atomic import write_text
 from jaxpi.config import QwenConfig
 from jaxpi.configfile import to_dict
 from jaxpi.convert.hf import load_hf
+from jaxpi.convert.quantize import abstract_model
 from jaxpi.data.pipeline import FIELDS, batch_stats, make_eval_iterator, make_train_iterator
 from jaxpi.lora import LoRAParam, add_lora
-from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+from jaxpi.models.quantized import QuantParam
 from jaxpi.sft.config import SFTConfig, resume_diffs
 from jaxpi.sft.data import SFTData, prepare_data, report_text
 from jaxpi.train.base import prepare_base
@@ -97,12 +98,14 @@ def build_trainer(cfg: SFTConfig, base_dir: Path, model_cfg: QwenConfig, key: ja
     the optimizer state and jit the step and the evaluation."""
     dtype = jnp.dtype(cfg.model.dtype)
     mesh = strategy = loader = None
+    quant = cfg.lora.base_quant  # "none", or a quantized frozen base (QLoRA)
     if cfg.sharding.mesh:
         mesh = make_mesh(cfg.sharding.mesh)
         strategy = get_strategy(cfg.sharding.strategy or "fsdp")
-        build = lambda: Qwen3_5ForCausalLM(model_cfg, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
-        loader = loader_shardings(nnx.state(nnx.eval_shape(build), nnx.Param), strategy, mesh)
-    _, model = load_hf(base_dir, dtype, shardings=loader, config_overrides=cfg.model.overrides())
+        loader = loader_shardings(nnx.state(abstract_model(model_cfg, dtype, quant)), strategy, mesh)
+    _, model = load_hf(
+        base_dir, dtype, shardings=loader, config_overrides=cfg.model.overrides(), base_quant=quant
+    )
     add_lora(model, cfg.lora, key=key)
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
@@ -218,8 +221,15 @@ def start_trainer(run: Run, base_dir: Path, model_cfg: QwenConfig) -> None:
         "dtype": cfg.model.dtype,
         "tokenizer": cfg.data.tokenizer or str(base_dir),
         "config": run.config,
+        # bytes of the quantized frozen base the step trained on (0: a dense base)
+        "quantized_base_bytes": _quantized_bytes(run.trainer.params),
     }
     run.hook = _load_hook(cfg.train.eval_hook) if cfg.train.eval_hook else None
+
+
+def _quantized_bytes(params: Any) -> int:
+    values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(params, QuantParam))]
+    return int(sum(x.size * x.dtype.itemsize for x in values))
 
 
 def resume(run: Run, out: Any) -> None:

@@ -10,7 +10,7 @@ The checkpoint's LM head is then solved to replay a two-turn script on exactly t
 answer), and a second attempt runs Pi against the scripted model at temperature 0: Pi issues the
 call, it runs in the sandbox, the verifier passes. What that attempt left is the fixture:
 
-    <out>/<version>/session.jsonl   Pi's session file
+    <out>/<version>/session.jsonl   Pi's session file (and the runner's .meta.json sidecar beside it)
     <out>/<version>/events.jsonl    Pi's `--mode json` stream
     <out>/<version>/calls.json      the gateway's records: each call's request, prompt and
                                     completion token ids, finish reason, effort
@@ -49,15 +49,16 @@ MAX_LEN = 4096
 CFG = TINY.replace(hidden_size=256, intermediate_size=512)
 
 
-def write_task(root: Path) -> Path:
-    """A one-line shell task: its instruction, limits, verifier and oracle."""
+def write_task(root: Path, *, max_tokens: int = 1024) -> Path:
+    """A one-line shell task: its instruction, limits (`max_tokens` sampled tokens per attempt),
+    verifier and oracle."""
     d = root / "hello-file"
     (d / "tests").mkdir(parents=True, exist_ok=True)
     (d / "solution").mkdir(exist_ok=True)
     (d / "instruction.md").write_text(INSTRUCTION + "\n")
     (d / "task.toml").write_text(
         '[metadata]\nid = "hello-file"\ncategory = "shell"\ndifficulty = "easy"\n\n'
-        "[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = 1024\n\n[verifier]\ntimeout = 20\n"
+        f"[limits]\nwall_seconds = 120\nmax_turns = 4\nmax_tokens = {max_tokens}\n\n[verifier]\ntimeout = 20\n"
     )
     (d / "tests" / "test.sh").write_text('#!/bin/bash\n[ "$(cat hello.txt 2>/dev/null)" = hello ]\n')
     (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{COMMAND}\n")
@@ -146,6 +147,7 @@ def record(version: str, out: str | Path, workdir: str | Path) -> dict[str, Any]
     }
     with atomic_dir(Path(out) / version, overwrite=True) as tmp:
         shutil.copyfile(runs / "session.jsonl", tmp / "session.jsonl")
+        shutil.copyfile(runs / "session.jsonl.meta.json", tmp / "session.jsonl.meta.json")
         shutil.copyfile(runs / "events.jsonl", tmp / "events.jsonl")
         calls = [{k: c[k] for k in keep} for c in rec.calls]
         (tmp / "calls.json").write_text(json.dumps(calls, indent=1) + "\n")

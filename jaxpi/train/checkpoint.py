@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 ITEMS = ("adapter", "opt_state", "trainer", "meta")
+SAMPLER = "sampler"  # optional: the adapter of the next collection (asynchronous GRPO)
 _ORBAX_MARKER = "_CHECKPOINT_METADATA"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 
@@ -55,6 +56,7 @@ class Restored:
     opt_state: Any
     trainer: dict[str, Any]
     meta: dict[str, Any]
+    sampler: nnx.State | None = None  # the adapter the next collection is sampled by, when saved
 
 
 def flat_arrays(tree: Any) -> dict[str, Any]:
@@ -123,14 +125,19 @@ class CheckpointStore:
         opt_state: Any,
         trainer: Mapping[str, Any],
         meta: Mapping[str, Any],
+        sampler: nnx.State | None = None,
     ) -> Path:
-        """Write one step (all items or nothing); returns its directory."""
-        args = ocp.args.Composite(
-            adapter=ocp.args.StandardSave(flat_arrays(adapter)),
-            opt_state=ocp.args.StandardSave(flat_arrays(opt_state)),
-            trainer=ocp.args.JsonSave(dict(trainer)),
-            meta=ocp.args.JsonSave(dict(meta)),
-        )
+        """Write one step (all items or nothing); returns its directory. `sampler`: the adapter
+        the next collection is sampled by when that is not `adapter` (asynchronous GRPO)."""
+        items = {
+            "adapter": ocp.args.StandardSave(flat_arrays(adapter)),
+            "opt_state": ocp.args.StandardSave(flat_arrays(opt_state)),
+            "trainer": ocp.args.JsonSave(dict(trainer)),
+            "meta": ocp.args.JsonSave(dict(meta)),
+        }
+        if sampler is not None:
+            items[SAMPLER] = ocp.args.StandardSave(flat_arrays(sampler))
+        args = ocp.args.Composite(**items)
         if not self.manager.save(step, args=args, force=True):
             raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         self.manager.wait_until_finished()
@@ -138,7 +145,8 @@ class CheckpointStore:
 
     def restore(self, step: int, adapter_target: nnx.State, opt_target: Any) -> Restored:
         """Restore `step` onto the structure, dtypes and shardings of the two targets (abstract
-        `jax.ShapeDtypeStruct`s with `.sharding`, or real arrays)."""
+        `jax.ShapeDtypeStruct`s with `.sharding`, or real arrays); the sampler adapter too when
+        the step holds one (onto the adapter's target)."""
 
         # Restoring onto abstract arrays with shardings places every shard directly on its devices
         # (a resumed sharded run never gathers the adapter or optimizer state on one host).
@@ -148,21 +156,23 @@ class CheckpointStore:
                 for k, v in flat_arrays(tree).items()
             }
 
-        got = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                adapter=ocp.args.StandardRestore(abstract(adapter_target)),
-                opt_state=ocp.args.StandardRestore(abstract(opt_target)),
-                trainer=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        items = {
+            "adapter": ocp.args.StandardRestore(abstract(adapter_target)),
+            "opt_state": ocp.args.StandardRestore(abstract(opt_target)),
+            "trainer": ocp.args.JsonRestore(),
+            "meta": ocp.args.JsonRestore(),
+        }
+        has_sampler = (self.step_dir(step) / SAMPLER).is_dir()
+        if has_sampler:
+            items[SAMPLER] = ocp.args.StandardRestore(abstract(adapter_target))
+        got = self.manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(
             step=step,
             adapter=unflat_arrays(adapter_target, got.adapter),
             opt_state=unflat_arrays(opt_target, got.opt_state),
             trainer=dict(got.trainer),
             meta=dict(got.meta),
+            sampler=unflat_arrays(adapter_target, got[SAMPLER]) if has_sampler else None,
         )
 
     def close(self) -> None:

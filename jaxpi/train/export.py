@@ -22,9 +22,11 @@ from jaxpi.convert.fp8 import export_fp8
 from jaxpi.convert.gguf import write_adapter_gguf
 from jaxpi.convert.gguf_export import export_gguf
 from jaxpi.convert.hf import load_hf, read_config
+from jaxpi.convert.quantize import dequantized
 from jaxpi.convert.safetensors_io import read_index
 from jaxpi.lora import add_lora, select_modules
 from jaxpi.lora.peft import CONFIG_NAME, abstract_lora_model, load_peft, save_merged, save_peft
+from jaxpi.quant import check_base_quant
 
 DTYPES = ["float32", "bfloat16", "float16"]
 FORMATS = ["peft", "merged", "fp8", "gguf"]
@@ -43,6 +45,7 @@ def export(
     overwrite: bool = False,
     progress: bool = False,
     gguf: dict[str, Any] | None = None,
+    base_quant: str | None = None,
 ) -> dict[str, Any]:
     """Read the adapter, write the export, return a summary (what `jaxpi export` prints).
 
@@ -50,7 +53,14 @@ def export(
     in block-wise FP8, or with `adapter=None` the base checkpoint itself in FP8; or "gguf": with
     an adapter, the adapter as a llama.cpp LoRA GGUF (with `merged=True` the merged model's
     GGUF files instead), without one the base's GGUF files; `gguf` holds `export_gguf`'s options
-    (quants, imatrix, sessions, heldout, ctx, report)."""
+    (quants, imatrix, sessions, heldout, ctx, report).
+
+    `base_quant` is the base the adapter was trained on (None: a trainer checkpoint's own
+    `lora.base_quant`, "none" for a peft adapter). A merged export of a QLoRA adapter merges it
+    into the weights it was trained against: the base quantized as in training, dequantized in
+    float32, merged, and written in bfloat16 unless `dtype` says otherwise."""
+    if base_quant is not None:
+        check_base_quant(base_quant, "--base-quant")
     if fmt == "gguf":
         return _export_gguf(
             adapter,
@@ -60,12 +70,21 @@ def export(
             options=gguf or {},
             overwrite=overwrite,
             progress=progress,
+            base_quant=base_quant,
         )
     fmt = fmt or ("merged" if merged else "peft")
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {FORMATS}")
     if fmt == "fp8":
-        return _export_fp8(adapter, Path(out), base=base, dtype=dtype, overwrite=overwrite, progress=progress)
+        return _export_fp8(
+            adapter,
+            Path(out),
+            base=base,
+            dtype=dtype,
+            overwrite=overwrite,
+            progress=progress,
+            base_quant=base_quant,
+        )
     if adapter is None:
         raise ValueError(f"--adapter is required for the {fmt} export (only fp8 converts a base on its own)")
     merged = fmt == "merged"
@@ -78,6 +97,7 @@ def export(
         source = "peft"
         cfg = QwenConfig.from_hf(Path(base))
         lcfg, state = load_peft(cfg, adapter)
+        meta: dict[str, Any] = {}
     else:
         source = "jaxpi checkpoint"
         state, lcfg, meta = _load_trainer_checkpoint(adapter)
@@ -86,8 +106,26 @@ def export(
         if base is None:
             raise ValueError(f"{adapter}: the checkpoint records no base; pass --base")
     base = Path(base)
+    quant = base_quant if base_quant is not None else lcfg.base_quant
 
-    if merged:
+    if merged and quant != "none":
+        # the weights the adapter was trained against: quantized from the values in the training
+        # dtype (a peft adapter's: bf16 for an all-BF16 base), dequantized in float32
+        train_dtype = meta.get("dtype") or _load_dtype(base, None)
+        _, model = load_hf(base, dtype=train_dtype, progress=progress, base_quant=quant)
+        dequantized(model, "float32")
+        add_lora(model, lcfg)
+        nnx.update(model, state)
+        path = save_merged(
+            model,
+            out,
+            base_dir=base,
+            dtype=dtype or "bfloat16",
+            overwrite=overwrite,
+            progress=progress,
+            inplace=True,
+        )
+    elif merged:
         _, model = load_hf(base, dtype=_load_dtype(base, dtype), progress=progress)
         add_lora(model, lcfg)
         nnx.update(model, state)
@@ -116,6 +154,7 @@ def export(
         "rank": lcfg.rank,
         "alpha": lcfg.alpha,
         "modules": len(select_modules(cfg, lcfg)),
+        "base_quant": quant,
     }
 
 
@@ -127,6 +166,7 @@ def _export_fp8(
     dtype: str | None,
     overwrite: bool,
     progress: bool,
+    base_quant: str | None = None,
 ) -> dict[str, Any]:
     """FP8 of `base` (no adapter), or of base + adapter merged first into a scratch directory
     beside `out` (removed afterwards, and by the next export if this one is killed)."""
@@ -140,7 +180,9 @@ def _export_fp8(
         return {**summary, "adapter": None}
     refuse_existing(out, overwrite=overwrite)  # before the merge, not after it
     with scratch_dir(out) as scratch:
-        merged = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
+        merged = export(
+            adapter, scratch / "merged", base=base, fmt="merged", progress=progress, base_quant=base_quant
+        )
         summary = export_fp8(scratch / "merged", out, dtype=code, overwrite=overwrite, progress=progress)
     return {**summary, "source": merged["source"], "adapter": merged["adapter"], "base": merged["base"]}
 
@@ -154,6 +196,7 @@ def _export_gguf(
     options: dict[str, Any],
     overwrite: bool,
     progress: bool,
+    base_quant: str | None = None,
 ) -> dict[str, Any]:
     """GGUF files of `base` (no adapter); of base + adapter merged in a scratch directory first
     (`merged`); or the adapter alone as a llama.cpp LoRA GGUF (written from its peft export)."""
@@ -166,7 +209,9 @@ def _export_gguf(
     refuse_existing(out, overwrite=overwrite)
     if merged:
         with scratch_dir(out) as scratch:
-            m = export(adapter, scratch / "merged", base=base, fmt="merged", progress=progress)
+            m = export(
+                adapter, scratch / "merged", base=base, fmt="merged", progress=progress, base_quant=base_quant
+            )
             summary = export_gguf(
                 scratch / "merged", out, overwrite=overwrite, progress=progress,
                 name=options.pop("name", None) or Path(m["base"]).name + "-merged", **options,
