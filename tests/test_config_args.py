@@ -47,6 +47,8 @@ class Case:
     positionals: tuple[str, ...] = ()
     required: dict[str, Any] = dataclasses.field(default_factory=dict)  # set in the file or as key=value
     samples: dict[str, Any] = dataclasses.field(default_factory=dict)  # this command's own valid values
+    # keys valid only beside others: key -> the values set with it
+    companions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -61,7 +63,18 @@ def cases(model_dir: Path) -> list[Case]:
         Case(("select",), eval.SELECT, positionals=("a", "b"), required={"tasks": "t"}),
         # lora_rank given: base_quant's sample (nf4) needs LoRA
         Case(("plan",), plan.SPEC, required={"mesh": "fsdp=2", "lora_rank": 4}),
-        *(Case(("bench", name), bench.SPECS[name]) for name in bench.SPECS),
+        *(
+            Case(
+                ("bench", name),
+                bench.SPECS[name],
+                # a running vLLM server: with vs vllm (bf16) and the checkpoint it serves
+                companions={"vllm_url": {"vs": "vllm", "dtype": "bfloat16", "checkpoint": "/some/ckpt"}}
+                if "vllm_url" in field_names(bench.SPECS[name].cls)
+                else {},
+                samples={"mode": "decode"} if name == "profile" else {},
+            )
+            for name in bench.SPECS
+        ),
         Case(
             ("vllm", "serve"),
             vllm.serve_spec(),
@@ -139,6 +152,7 @@ SAMPLES: dict[str, Any] = {
     "batch": 2,
     "lora_rank": 8,
     "max_lora_rank": 32,
+    "max_len": 4000,  # the decode benchmarks check that it holds the prompt and the new tokens
     "workers": (2, 3),
 }
 
@@ -184,7 +198,8 @@ def test_every_key_set_by_key_value_comes_back(case):
     for doc in describe(cls, case.spec.defaults):
         value = sample(case, doc.key, None if doc.required else doc.default, hints(cls)[doc.key])
         assert value != doc.default, (case.name, doc.key)
-        argv = [*required_overrides(case, skip=doc.key), f"{doc.key}={as_text(value)}"]
+        with_it = [f"{k}={v}" for k, v in case.companions.get(doc.key, {}).items()]
+        argv = [*required_overrides(case, skip=doc.key), *with_it, f"{doc.key}={as_text(value)}"]
         if doc.key == "endpoint" and case.argv == ("eval",):  # eval takes one of model and endpoint
             argv = ["tasks=t", f"endpoint={value}"]
         assert getattr(build(case, *argv), doc.key) == value, (case.name, doc.key)
@@ -227,7 +242,9 @@ def test_default_then_file_then_flag_given_then_override(case, tmp_path):
             continue
         doc = docs[f.key]
         in_file = sample(case, f.key, None if doc.required else doc.default, hints(cls)[f.key])
-        path.write_text(yaml.safe_dump({**case.required, f.key: _yaml(in_file)}))
+        path.write_text(
+            yaml.safe_dump({**case.required, **case.companions.get(f.key, {}), f.key: _yaml(in_file)})
+        )
         assert getattr(build(case, config=path), f.key) == in_file, (case.name, f.flag)
         if hints(cls)[f.key] is bool:  # store_true: given means true, over the file's false
             path.write_text(yaml.safe_dump({**case.required, f.key: False}))
