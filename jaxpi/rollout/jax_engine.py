@@ -82,6 +82,16 @@ def _detach(state: nnx.State) -> nnx.State:
     return jax.tree.map(lambda x: x, state)
 
 
+def _placed_like(new: jax.Array, current: jax.Array) -> jax.Array:
+    """`new` placed as `current` is: on its devices and layout (gathered if `new` is split over a
+    mesh), and committed to them only if `current` is (jit compiles anew for a committed argument
+    where it had an uncommitted one; an uncommitted array is made through a host copy)."""
+    sharding = getattr(current, "sharding", None)
+    if sharding is None or (new.sharding == sharding and new.committed == current.committed):
+        return new
+    return jax.device_put(new, sharding) if current.committed else jnp.asarray(np.asarray(new))
+
+
 def _bucket(n: int) -> int:
     """Decode buffer size for n new tokens: the next power of two, at least 16."""
     return max(16, 1 << (n - 1).bit_length())
@@ -230,7 +240,9 @@ class JaxEngine:
                 raise ValueError(
                     f"update_weights: {name} is {b.shape} {b.dtype}, expected {a.shape} {a.dtype}"
                 )
-        self._state = state
+        # Each array where the engine keeps its own: a trainer's may be split over a mesh (adapters
+        # sharded like their weights), which would otherwise compile the programs anew for it.
+        self._state = jax.tree.map(_placed_like, state, self._state)
 
     def compile_count(self) -> int:
         """Programs compiled so far (prefill chunk sizes, decode buffer sizes, reset)."""
