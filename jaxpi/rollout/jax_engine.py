@@ -83,11 +83,12 @@ def _detach(state: nnx.State) -> nnx.State:
 
 
 def _placed_like(new: jax.Array, current: jax.Array) -> jax.Array:
-    """`new` placed as `current` is: on its devices and layout (gathered if `new` is split over a
-    mesh), and committed to them only if `current` is (jit compiles anew for a committed argument
-    where it had an uncommitted one; an uncommitted array is made through a host copy)."""
+    """`new` as it is when it sits where `current` does; else moved there (gathered if it is split
+    over a mesh), committed to those devices only if `current` is: jit compiles anew for a
+    committed argument where it had an uncommitted one, so an uncommitted array is made, through
+    a host copy."""
     sharding = getattr(current, "sharding", None)
-    if sharding is None or (new.sharding == sharding and new.committed == current.committed):
+    if sharding is None or new.sharding.is_equivalent_to(sharding, new.ndim):
         return new
     return jax.device_put(new, sharding) if current.committed else jnp.asarray(np.asarray(new))
 
