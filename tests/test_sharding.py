@@ -536,6 +536,54 @@ def test_adapter_spec_splits_the_largest_free_dimension_it_divides(dims, rank_at
         assert got == expected_factor_spec(tuple(axes), tuple(shape), strategy, sizes), (axes, shape)
 
 
+@functools.cache
+def lora_27b(rank: int) -> nnx.State:
+    """The 27B's LoRA factors on all linear layers, abstract (shapes and logical axes only)."""
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+
+    model = nnx.eval_shape(
+        lambda: add_lora(Qwen3_5ForCausalLM(QWEN3_5_27B, rngs=nnx.Rngs(0)), LoraConfig(rank=rank))
+    )
+    return nnx.state(model, LoRAParam)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    rank=st.sampled_from([8, 16, 32, 64, 128]),
+    fsdp=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+    tensor=st.sampled_from([1, 2, 4, 8]),
+    name=st.sampled_from(sorted(STRATEGIES)),
+)
+def test_27b_factors_are_split_where_they_can_be_and_used_as_the_activations_say(rank, fsdp, tensor, name):
+    """On drawn meshes and ranks, every 27B LoRA factor: never split on `layers` or `lora_rank`;
+    under a strategy with `adapters` axes split over fsdp unless none of its other dimensions
+    takes it; and laid out for its use (`for_use`: the activation table on the factor without its
+    stacked axis) as stored less the adapters' fsdp split, i.e. gathered over fsdp and, under tp,
+    already where it is stored (no communication for the factors of a Megatron layer)."""
+    strategy, mesh = get_strategy(name), abstract_mesh(f"fsdp={fsdp},tensor={tensor}")
+    state = lora_27b(rank)
+    resolve = activation_resolver(strategy, mesh)
+    shapes = dict(nnx.to_flat_state(state))
+    for path, var in nnx.to_flat_state(param_shardings(state, strategy, mesh)):
+        axes, shape = logical_axes_of(var), tuple(shapes[path].get_value().shape)
+        entries = list(var.get_value().spec) + [None] * (len(shape) - len(var.get_value().spec))
+        for a, e in zip(axes, entries, strict=True):
+            assert a not in NEVER_SPREAD or e is None, (path, axes, entries)
+        on_fsdp = any(e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e) for e in entries)
+        free = [
+            n
+            for a, n, e in zip(axes, shape, entries, strict=True)
+            if a not in NEVER_SPREAD and e is None and n % fsdp == 0
+        ]
+        if "fsdp" in strategy.adapters and fsdp > 1:
+            assert on_fsdp or not free, (path, axes, shape, entries)
+        lead = 1 if axes[0] == "layers" else 0
+        use = list(resolve(axes[lead:], shape[lead:]).spec)
+        use += [None] * (len(shape) - lead - len(use))
+        stored = [None if e == "fsdp" else e for e in entries[lead:]]
+        assert use == stored, (path, axes, entries, use)
+
+
 @pytest.fixture(scope="module")
 def lora_reference():
     """Two LoRA steps of two accumulated microbatches of packed rows on one device, and what they
