@@ -109,9 +109,9 @@ def for_use(factor: jax.Array, axes: tuple[str | None, ...] | None) -> jax.Array
     on; under tensor parallelism split by heads or MLP columns like its weight. Its gradient comes
     back through the same layout and is reduced onto the stored split.
 
-    Without it, XLA:CPU (jax 0.10.2) partitioned some factors stored split on `head_dim` (B of
-    in_proj_z) wrongly inside the gradient-accumulation scan: every other gradient of the step
-    20-70 % off on 8 devices (tests/test_sharding.py holds the case).
+    Without it, XLA:CPU (jax 0.10.2) partitioned a factor stored split on `head_dim` (B of
+    in_proj_z) wrongly inside the gradient-accumulation scan: most LoRA gradients of the step
+    20-70 % off on 8 devices (docs/sharding.md; tests/test_sharding.py holds the case).
     """
     return factor if axes is None else constrain(factor, axes)
 
