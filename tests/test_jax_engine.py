@@ -259,10 +259,11 @@ def test_update_weights_changes_outputs_without_recompiling(engine, model, promp
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 virtual devices (tests/conftest.py)")
-def test_update_weights_takes_adapters_split_over_a_mesh(engine, model, prompts):
+def test_update_weights_takes_adapters_split_over_a_mesh_or_on_the_host(engine, model, prompts):
     """Adapters as a sharded trainer holds them (split over fsdp on 8 devices, as
     sharding.strategies.FSDP places them) generate what the same adapters on one device do,
-    without a new compile: the engine puts each array on its own device."""
+    without a new compile: the engine puts each array on its own device. As numpy arrays (what a
+    fleet worker receives) they generate the same too."""
     from sharding.mesh import make_mesh
     from sharding.strategies import FSDP, param_shardings
 
@@ -277,6 +278,8 @@ def test_update_weights_takes_adapters_split_over_a_mesh(engine, model, prompts)
     engine.update_weights(split)
     assert engine.generate(prompts, GREEDY) == want
     assert engine.compile_count() == compiled
+    engine.update_weights(jax.tree.map(np.asarray, adapters))
+    assert engine.generate(prompts, GREEDY) == want
     engine.update_weights(model)
 
 

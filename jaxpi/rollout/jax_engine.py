@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,13 +83,17 @@ def _detach(state: nnx.State) -> nnx.State:
     return jax.tree.map(lambda x: x, state)
 
 
-def _placed_like(new: jax.Array, current: jax.Array) -> jax.Array:
-    """`new` as it is when it sits where `current` does; else moved there (gathered if it is split
-    over a mesh), committed to those devices only if `current` is: jit compiles anew for a
-    committed argument where it had an uncommitted one, so an uncommitted array is made, through
-    a host copy."""
+def _placed_like(new: Any, current: Any) -> Any:
+    """`new` as it is when it sits where `current` does, or on the host (a worker's numpy arrays,
+    moved by each call as before); else moved there (gathered if it is split over a mesh),
+    committed to those devices only if `current` is: jit compiles anew for a committed argument
+    where it had an uncommitted one, so an uncommitted array is made, through a host copy."""
     sharding = getattr(current, "sharding", None)
-    if sharding is None or new.sharding.is_equivalent_to(sharding, new.ndim):
+    if (
+        sharding is None
+        or not isinstance(new, jax.Array)
+        or new.sharding.is_equivalent_to(sharding, new.ndim)
+    ):
         return new
     return jax.device_put(new, sharding) if current.committed else jnp.asarray(np.asarray(new))
 
