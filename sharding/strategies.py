@@ -10,8 +10,9 @@ LoRA factors follow the table like every parameter (A has the adapted weight's i
 `lora_rank`, B `lora_rank` and its output axes), so a factor whose axes the table does not split
 would sit whole on every device (under FSDP: B of q_proj, A of down_proj, ...). A strategy's
 `adapters` mesh axes (ZeRO-3 for the adapters; `fsdp` in the FSDP strategies) take such a factor:
-it is split over them on its largest dimension they divide (never `layers`, `lora_rank` or
-`head_dim`: `_NEVER_SPREAD` says why), and its optimizer state with it.
+it is split over them on its largest dimension they divide (never `layers` or `lora_rank`), and
+its optimizer state with it. The model gathers each factor for its use as the activation table
+says (`jaxpi.models.layers.for_use`), so how a factor is stored never reaches the product.
 
 Resolution rules (`spec_for`):
 - mesh axes the mesh lacks, or of size 1, are dropped (one table serves every mesh shape);
@@ -275,13 +276,9 @@ def param_shardings(
 
 
 LORA_RANK = "lora_rank"  # the logical axis of a LoRA factor's rank (jaxpi.lora)
-# Never split: the rank and the stacked layer axis (a scan runs over it); nor `head_dim`, which
-# no built-in strategy splits. Split over fsdp inside the gradient-accumulation scan, with the
-# activation constraints, a head_dim factor (B of in_proj_z, A of out_proj) gave another step on
-# 8 CPU devices (jax 0.10.2: the loss 1.7 % off one device's after two steps, with segment ids),
-# while the same sharding without the constraints, or without the scan, agreed to 1e-6
-# (docs/sharding.md, "LoRA factors"; tests/test_sharding.py holds the case).
-_NEVER_SPREAD = (LORA_RANK, "layers", "head_dim")
+# Never split: the rank (r columns of every token's x·A; at rank 32 no 64-way split divides it)
+# and the stacked layer axis (the layer scan slices it, so a split would gather it every step).
+_NEVER_SPREAD = (LORA_RANK, "layers")
 
 
 def adapter_spec(

@@ -258,6 +258,31 @@ def test_update_weights_changes_outputs_without_recompiling(engine, model, promp
         engine.update_weights(wrong)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 virtual devices (tests/conftest.py)")
+def test_update_weights_takes_adapters_split_over_a_mesh_or_on_the_host(engine, model, prompts):
+    """Adapters as a sharded trainer holds them (split over fsdp on 8 devices, as
+    sharding.strategies.FSDP places them) generate what the same adapters on one device do,
+    without a new compile: the engine puts each array on its own device. As numpy arrays (what a
+    fleet worker receives) they generate the same too."""
+    from sharding.mesh import make_mesh
+    from sharding.strategies import FSDP, param_shardings
+
+    other = nnx.clone(model)
+    randomize_lora(other, seed=3)
+    adapters = nnx.state(other, LoRAParam)
+    engine.update_weights(adapters)
+    want = engine.generate(prompts, GREEDY)
+    compiled = engine.compile_count()
+    split = jax.device_put(adapters, param_shardings(adapters, FSDP, make_mesh("data=2,fsdp=4")))
+    assert any("fsdp" in tuple(x.sharding.spec) for x in jax.tree.leaves(split))
+    engine.update_weights(split)
+    assert engine.generate(prompts, GREEDY) == want
+    assert engine.compile_count() == compiled
+    engine.update_weights(jax.tree.map(np.asarray, adapters))
+    assert engine.generate(prompts, GREEDY) == want
+    engine.update_weights(model)
+
+
 def test_slots_are_bounded_and_reused(engine, prompts):
     sessions = engine.start(prompts)  # all 4 slots
     with pytest.raises(ValueError, match="slots"):

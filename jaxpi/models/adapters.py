@@ -61,7 +61,10 @@ class Adapter:
 
     `a` `[(G,) *in, r]` (shared by the parts of one HF module), `b` `[(G,) r, *out]`, `mask` the
     per-group 1.0 / 0.0 (or None: every group selected); `scale` s, `dropout` the rate, `merged`
-    True while the base weight already holds s·A·B (the update is then skipped).
+    True while the base weight already holds s·A·B (the update is then skipped). `a_axes` and
+    `b_axes` are the factors' logical axes, one per dimension of `a` and `b` as read (inside the
+    layer scan a stacked factor is one group's slice, without its `layers` axis); None where the
+    factor was declared without any.
     """
 
     a: jax.Array
@@ -70,6 +73,17 @@ class Adapter:
     scale: float
     dropout: float
     merged: bool
+    a_axes: tuple[str | None, ...] | None = None
+    b_axes: tuple[str | None, ...] | None = None
+
+
+def _value_axes(var: nnx.Variable, value: jax.Array) -> tuple[str | None, ...] | None:
+    """The logical axes of `value`, `var`'s array: the trailing `value.ndim` of those declared
+    (the stacked `layers` axis leads, and a scan step reads one group's slice)."""
+    axes = var.get_metadata().get("out_sharding")
+    if axes is None or len(axes) < value.ndim:
+        return None
+    return tuple(axes)[len(axes) - value.ndim :]
 
 
 def adapter_for(module: nnx.Module, proj: str, hf: str | None = None) -> Adapter | None:
@@ -80,13 +94,17 @@ def adapter_for(module: nnx.Module, proj: str, hf: str | None = None) -> Adapter
         return None
     name = hf or proj
     mask = getattr(module, mask_name(name), None)
+    a = getattr(module, a_name(name))
+    a_value, b_value = a[...], b[...]
     return Adapter(
-        a=getattr(module, a_name(name))[...],
-        b=b[...],
+        a=a_value,
+        b=b_value,
         mask=None if mask is None else mask[...],
         scale=getattr(module, SCALE),
         dropout=getattr(module, DROPOUT, 0.0),
         merged=getattr(module, MERGED, False),
+        a_axes=_value_axes(a, a_value),
+        b_axes=_value_axes(b, b_value),
     )
 
 

@@ -96,11 +96,24 @@ def project(
             key = jax.random.fold_in(dropout_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
             keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
             xf = jnp.where(keep, xf / (1.0 - rate), 0.0)
-        delta = lora_delta(xf, adapter.a, adapter.b, n_in)
+        delta = lora_delta(xf, for_use(adapter.a, adapter.a_axes), for_use(adapter.b, adapter.b_axes), n_in)
         if adapter.mask is not None:  # a stacked adapter whose layer (this scan step) is not selected
             delta = delta * adapter.mask
         y = (y + adapter.scale * delta).astype(x.dtype)
     return y
+
+
+def for_use(factor: jax.Array, axes: tuple[str | None, ...] | None) -> jax.Array:
+    """A LoRA factor laid out for its product as the activation table says (`constrain`): under
+    ZeRO-3 gathered whole, as the weights are for their use, whatever dimension it is stored split
+    on; under tensor parallelism split by heads or MLP columns like its weight. Its gradient comes
+    back through the same layout and is reduced onto the stored split.
+
+    Without it, XLA:CPU (jax 0.10.2) partitioned a factor stored split on `head_dim` (B of
+    in_proj_z) wrongly inside the gradient-accumulation scan: most LoRA gradients of the step
+    20-70 % off on 8 devices (docs/sharding.md; tests/test_sharding.py holds the case).
+    """
+    return factor if axes is None else constrain(factor, axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

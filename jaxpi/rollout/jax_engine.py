@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,21 @@ def _detach(state: nnx.State) -> nnx.State:
     """The same arrays in new Variable objects: `nnx.split` hands out the model's own Variables,
     and the engine must neither see nor make in-place changes to the caller's model."""
     return jax.tree.map(lambda x: x, state)
+
+
+def _placed_like(new: Any, current: Any) -> Any:
+    """`new` as it is when it sits where `current` does, or on the host (a worker's numpy arrays,
+    moved by each call as before); else moved there (gathered if it is split over a mesh),
+    committed to those devices only if `current` is: jit compiles anew for a committed argument
+    where it had an uncommitted one, so an uncommitted array is made, through a host copy."""
+    sharding = getattr(current, "sharding", None)
+    if (
+        sharding is None
+        or not isinstance(new, jax.Array)
+        or new.sharding.is_equivalent_to(sharding, new.ndim)
+    ):
+        return new
+    return jax.device_put(new, sharding) if current.committed else jnp.asarray(np.asarray(new))
 
 
 def _bucket(n: int) -> int:
@@ -230,7 +246,9 @@ class JaxEngine:
                 raise ValueError(
                     f"update_weights: {name} is {b.shape} {b.dtype}, expected {a.shape} {a.dtype}"
                 )
-        self._state = state
+        # Each array where the engine keeps its own: a trainer's may be split over a mesh (adapters
+        # sharded like their weights), which would otherwise compile the programs anew for it.
+        self._state = jax.tree.map(_placed_like, state, self._state)
 
     def compile_count(self) -> int:
         """Programs compiled so far (prefill chunk sizes, decode buffer sizes, reset)."""
