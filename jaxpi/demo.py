@@ -65,9 +65,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run_parity(
-    root: Path, *, seed: int, seq_len: int, say: Any, family: str = "qwen3_5", stages: int = 6
-) -> dict[str, Any]:
+def run_parity(root: Path, *, seed: int, seq_len: int, say: Any, family: str = "qwen3_5") -> dict[str, Any]:
     ckpt = root / f"tiny-{family}"
     if not (ckpt / "config.json").exists():
         if family == "qwen3_5":  # the multimodal layout, vision tower and MTP tensors carried
@@ -76,18 +74,16 @@ def run_parity(
             make_checkpoint(ckpt, tiny_config(family), seed=seed)
     cfg, model = load_hf(ckpt)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    say(f"[1/{stages}] parity  {ckpt}: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
+    say(f"[1/6] parity  {ckpt}: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
     report = parity(ckpt, seq_len=seq_len, batch=2, seed=seed)
     say(report.table())
     return report.to_json()
 
 
-def run_training(
-    root: Path, say: Any, progress: bool, family: str = "qwen3_5", stages: int = 6
-) -> dict[str, Any]:
+def run_training(root: Path, say: Any, progress: bool, family: str = "qwen3_5") -> dict[str, Any]:
     run_dir = root / "sft"
     extra = [] if family == "qwen3_5" else [f"model.base=tiny-random-{family}"]
-    say(f"[2/{stages}] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir} {' '.join(extra)}")
+    say(f"[2/6] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir} {' '.join(extra)}")
     cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}", *extra])
     summary = run_sft(cfg, progress=progress, out=sys.stdout if progress else sys.stderr)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -99,11 +95,11 @@ def run_training(
     return {**summary, "losses": losses, "val_losses": val}
 
 
-def run_export(root: Path, say: Any, stages: int = 6) -> dict[str, Any]:
+def run_export(root: Path, say: Any) -> dict[str, Any]:
     adapter = root / "adapter"
     summary = export(root / "sft", adapter, overwrite=True)
     say(
-        f"[3/{stages}] export  jaxpi export --adapter {root / 'sft'} --out {adapter}: "
+        f"[3/6] export  jaxpi export --adapter {root / 'sft'} --out {adapter}: "
         f"{summary['modules']} modules, r={summary['rank']}, files {summary['files']}"
     )
     return summary
@@ -119,7 +115,7 @@ def _hf_class(base: Path) -> Any:
     return getattr(transformers, HF_CLASSES[QwenConfig.from_hf(base).family][1])
 
 
-def run_reload(root: Path, say: Any, stages: int = 6) -> dict[str, Any]:
+def run_reload(root: Path, say: Any) -> dict[str, Any]:
     """The exported adapter in peft vs jaxpi on one held-out demo session (first 256 tokens)."""
     import torch  # torch, transformers and peft only for this stage
     from peft import PeftModel
@@ -146,7 +142,7 @@ def run_reload(root: Path, say: Any, stages: int = 6) -> dict[str, Any]:
         "passed": rel(ours, theirs) <= 1e-4,
     }
     say(
-        f"[4/{stages}] reload  peft.PeftModel.from_pretrained({adapter.name}) on transformers vs jaxpi, "
+        f"[4/6] reload  peft.PeftModel.from_pretrained({adapter.name}) on transformers vs jaxpi, "
         f"{ids.size} tokens of a held-out session: logits rel err {out['rel_err_vs_peft']:.2e} "
         f"(bar 1e-4; the adapter moves the logits by {out['adapter_effect']:.2e}) "
         + ("PASS" if out["passed"] else "FAIL")
@@ -255,14 +251,15 @@ def run_demo(
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if as_json else print
     result = {"out": str(root), "family": family}
-    n = 6 if family == "qwen3_5" else 4  # deploy and the toy GRPO study are Qwen3.5's
-    result["parity"] = run_parity(root, seed=seed, seq_len=seq_len, say=say, family=family, stages=n)
-    result["sft"] = run_training(root, say, progress=not as_json, family=family, stages=n)
-    result["export"] = run_export(root, say, stages=n)
-    result["reload"] = run_reload(root, say, stages=n)
-    if n == 6:
+    result["parity"] = run_parity(root, seed=seed, seq_len=seq_len, say=say, family=family)
+    result["sft"] = run_training(root, say, progress=not as_json, family=family)
+    result["export"] = run_export(root, say)
+    result["reload"] = run_reload(root, say)
+    if family == "qwen3_5":  # deploy (FP8, GGUF) and the toy GRPO study are Qwen3.5's
         result["deploy"] = run_deploy(root, say)
         result["grpo"] = run_grpo_comparison(root, say, progress=not as_json, full=full)
+    else:
+        say(f"stages 5 and 6 (deploy, grpo) are Qwen3.5's: skipped for {family}")
     ok = (
         result["parity"]["passed"]
         and result["reload"]["passed"]
