@@ -7,8 +7,9 @@ checkpoints built by `transformers` (fp32, CPU):
 - LoRA on every linear layer, exported for peft: peft loads it on the transformers model and its
   logits equal jaxpi's;
 - a short LoRA SFT whose loss falls, on the SFT config the tests use; the decode engine's greedy
-  tokens are the model's argmax;
-- the sharded-step planner's qwen3_8b preset, the logical axes of every parameter;
+  tokens are the model's argmax; (slow) one GRPO collection and update;
+- the sharded-step planner's qwen3_8b preset, a compiled fsdp / tp step on 8 virtual devices,
+  the logical axes of every parameter;
 - the bad inputs and their messages: an unknown model_type, a missing q_norm, a Qwen3.5 config
   built as Qwen3.
 """
@@ -18,6 +19,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,8 +43,11 @@ from jaxpi.lora import LoraConfig, LoRAParam, add_lora, select_modules
 from jaxpi.lora.peft import save_peft
 from jaxpi.models import MODELS, Qwen3_5ForCausalLM, Qwen3ForCausalLM
 from jaxpi.parity import run_parity
+from jaxpi.rl.config import GRPOConfig
+from jaxpi.rl.trainer import run_grpo
 from jaxpi.rollout import JaxEngine, SamplingParams
 from jaxpi.sft import SFTConfig, run_sft
+from jaxpi.testing.xla import child_env
 from jaxpi.torch_reference import MODELING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,6 +230,39 @@ def test_lora_sft_loss_falls(tmp_path):
     assert last < first - 0.3, (first, last)
 
 
+@pytest.mark.slow  # ~45 s: a collection and an update through the GRPO trainer
+def test_grpo_update_on_the_tiny_qwen3(tmp_path):
+    """configs/grpo/tiny.yaml on the named tiny Qwen3 base, fresh adapters: one collection on the
+    lookup environment and one update; the engine's log-probabilities of the sampled tokens are
+    the trainer's."""
+    cfg = load_config(
+        GRPOConfig,
+        ROOT / "configs" / "grpo" / "tiny.yaml",
+        [
+            f"output.dir={tmp_path / 'run'}",
+            "model.base=tiny-random-qwen3",
+            "env.keys_per_task=0",
+            "env.max_value=2",
+            "collect.tasks=2",
+            "collect.group=2",
+            "collect.max_new_tokens=32",
+            "collect.max_context=384",
+            "collect.row_bucket=384",
+            "train.collections=1",
+            "train.checkpoint_every=1",
+            "train.eval_every=0",
+            "env.eval_tasks=2",
+            "output.loggers=[]",
+        ],
+    )
+    run_grpo(cfg, progress=False, out=sys.stderr)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x]
+    update = next(r for r in records if r["step"] == 1)
+    assert update["attempts"] == 12 and update["sampled_tokens"] > 0
+    assert update["logp_diff_max"] < 1e-5, update["logp_diff_max"]
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+
+
 def test_engine_greedy_tokens_are_the_models_argmax(ckpt):
     _, model = load_hf(ckpt(True))
     engine = JaxEngine(model, max_len=48, batch_size=2, prefill_chunks=(8, 1))
@@ -244,6 +282,28 @@ def test_planner_accepts_the_8b_preset(capsys):
     assert cli_main(["plan", "--model", "qwen3_8b", "--mesh", "fsdp=8", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_8b" in out and "fsdp=8" in out
+
+
+def test_sharded_step_compiles_and_splits_the_weights():
+    """The compiled training step on 8 virtual devices (a fresh process: the planner sets the
+    device count before jax starts): fsdp splits the weights 4 ways, tp 2 ways, as declared."""
+    argv = ["--model", "qwen3_tiny", "--mesh", "fsdp=4,tensor=2", "--seq-len", "32", "--dtype", "float32"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpi.cli", "plan", *argv, "--compare", "fsdp,tp", "--json"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = {r["request"]["strategy"]: r for r in json.loads(proc.stdout)}
+    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(QWEN3_TINY, rngs=nnx.Rngs(0)))
+    whole = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    for name, r in plans.items():
+        assert r["devices"] == 8 and r["compiled"]["argument"] == r["analytic"]["argument"], name
+    assert plans["fsdp"]["analytic"]["params"] < 0.3 * whole
+    assert plans["tp"]["analytic"]["params"] < 0.6 * whole
+    assert plans["fsdp"]["collectives"]["all-gather"]["count"] > 0
 
 
 def test_every_parameter_names_its_logical_axes():
