@@ -7,7 +7,8 @@ checkpoints built by `transformers` (fp32, CPU):
 - LoRA on every linear layer, exported for peft: peft loads it on the transformers model and its
   logits equal jaxpi's;
 - a short LoRA SFT whose loss falls, on the SFT config the tests use; the decode engine's greedy
-  tokens are the model's argmax; (slow) one GRPO collection and update;
+  tokens are the model's argmax; (slow) one GRPO collection and update; (slow) vLLM serving it
+  and its adapter;
 - the sharded-step planner's qwen3_8b preset, a compiled fsdp / tp step on 8 virtual devices,
   the logical axes of every parameter;
 - the bad inputs and their messages: an unknown model_type, a missing q_norm, a Qwen3.5 config
@@ -261,6 +262,52 @@ def test_grpo_update_on_the_tiny_qwen3(tmp_path):
     assert update["attempts"] == 12 and update["sampled_tokens"] > 0
     assert update["logp_diff_max"] < 1e-5, update["logp_diff_max"]
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+
+
+@pytest.mark.slow  # ~90 s: vLLM's CPU server start-up
+def test_vllm_serves_the_tiny_qwen3_and_its_adapter(tmp_path):
+    """vLLM (the CPU venv of `jaxpi vllm setup`) loads a bf16 tiny Qwen3 (head dim 64, as its CPU
+    attention needs): the sampled tokens' log-probs are jaxpi's (fp32 on the same weights) within
+    the tolerance docs/vllm.md states, and a pushed LoRA adapter is probed "ok"."""
+    from jaxpi.rl.loss import sequence_logprobs
+    from jaxpi.vllm.engine import VLLMEngine, VLLMEngineConfig
+    from jaxpi.vllm.server import VLLMServer
+    from jaxpi.vllm.sync import PROBE_TOL, AdapterSync
+
+    model_dir = make_checkpoint(
+        tmp_path / "q3-bf16", QWEN3_TINY.replace(head_dim=64), dtype="bfloat16", tokenizer=True
+    )
+    _, model = load_hf(model_dir, "float32")
+    lcfg = LoraConfig(rank=8, alpha=16.0)
+    add_lora(model, lcfg, key=jax.random.key(0))
+    graphdef, train, rest = nnx.split(model, LoRAParam, ...)
+    rng = np.random.default_rng(0)
+    train = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.05).astype(np.float32), train)
+    zero = jax.tree.map(np.zeros_like, train)
+    fn = jax.jit(lambda tr, ids: sequence_logprobs(nnx.merge(graphdef, tr, rest), ids))
+
+    def lp(tr, ids):
+        return np.asarray(fn(tr, np.asarray([ids], np.int32)))[0]
+
+    srv = VLLMServer(model=str(model_dir), max_lora_rank=16, max_loras=2, max_model_len=256).start()
+    engine = VLLMEngine(VLLMEngineConfig(url=srv.url, max_len=256, concurrency=2))
+    try:
+        prompts = [[1, 5, 9, 12, 40], [7, 7, 100, 3]]
+        comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, seed=1))
+        d = np.concatenate(
+            [
+                np.abs(lp(zero, p + c.token_ids)[len(p) :] - c.logprobs)
+                for p, c in zip(prompts, comps, strict=True)
+            ]
+        )
+        assert d.mean() < PROBE_TOL and d.max() < 5 * PROBE_TOL, (d.mean(), d.max())
+        sync = AdapterSync(engine, tmp_path / "adapters", model_dir, lcfg, QWEN3_TINY.vocab_size, log=print)
+        ids = sync.probe
+        res = sync.push(nnx.merge(graphdef, train, rest), 1, lp(train, ids)[1:], lp(zero, ids)[1:])
+        assert res.verdict == "ok" and res.err_mean <= PROBE_TOL < res.effect_mean
+    finally:
+        engine.shutdown()
+        srv.stop()
 
 
 def test_engine_greedy_tokens_are_the_models_argmax(ckpt):
