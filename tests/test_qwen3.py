@@ -2,7 +2,8 @@
 checkpoints built by `transformers` (fp32, CPU):
 
 - parity: logits, loss and every gradient against `transformers` judged by its float64 run
-  (tied and untied embeddings; small configs drawn by hypothesis);
+  (tied and untied embeddings; small configs drawn by hypothesis); (slow) QLoRA's adapter
+  gradients on an NF4 base against peft + bitsandbytes;
 - HF → jaxpi → HF byte for byte, and the family's config.json written back;
 - LoRA on every linear layer, exported for peft: peft loads it on the transformers model and its
   logits equal jaxpi's;
@@ -148,6 +149,17 @@ def test_parity_over_small_configs(tmp_path_factory, kv, group, head_dim, layers
     d = make_checkpoint(tmp_path_factory.mktemp("qwen3-h"), cfg, seed=layers + 7 * kv)
     report = run_parity(d, seq_len=12, batch=2, seed=0)
     assert report.passed, report.table()
+
+
+@pytest.mark.slow  # ~20 s: peft + bitsandbytes on the CPU
+def test_qlora_parity_against_peft_and_bitsandbytes(ckpt):
+    """An NF4 base (the same codes as bitsandbytes') under LoRA: every adapter gradient against
+    peft + bitsandbytes, judged by the float64 run on the dequantized base."""
+    from jaxpi.parity_qlora import run_qlora_parity
+
+    report = run_qlora_parity(ckpt(True), base_quant="nf4", seq_len=16, batch=2)
+    assert report.passed, report.table()
+    assert len(report.grads) == 2 * 7 * QWEN3_TINY.num_hidden_layers  # A and B of every linear module
 
 
 # ---- HF round trip ---------------------------------------------------------------------------------
