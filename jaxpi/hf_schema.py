@@ -99,8 +99,8 @@ class Qwen3Fields(_Schema):
     intermediate_size: PosInt
     num_hidden_layers: PosInt
     num_attention_heads: PosInt
-    num_key_value_heads: PosInt | None = None
-    head_dim: PosInt = 128  # transformers' default (not hidden_size / heads)
+    num_key_value_heads: PosInt | None = 32  # transformers' defaults (None: one per query head)
+    head_dim: PosInt = 128  # (not hidden_size / heads)
     hidden_act: Literal["silu"] = "silu"
     max_position_embeddings: PosInt | None = None
     rms_norm_eps: HFFloat = 1e-6

@@ -88,6 +88,28 @@ def test_every_family_has_its_parts_registered():
     assert QwenConfig.from_hf(TINY.to_hf()).family == "qwen3_5"
 
 
+def test_every_qwen3config_field_is_read_or_refused_and_defaults_are_transformers():
+    """Each field transformers' `Qwen3Config` declares (beyond PreTrainedConfig's own) is in the
+    schema; a config.json giving only the sizes reads as transformers reads it."""
+    import dataclasses
+
+    from transformers import PretrainedConfig, Qwen3Config
+
+    from jaxpi.hf_schema import Qwen3Fields
+
+    own = {f.name for f in dataclasses.fields(Qwen3Config)} - {
+        f.name for f in dataclasses.fields(PretrainedConfig)
+    }
+    assert own and own <= set(Qwen3Fields.model_fields), own - set(Qwen3Fields.model_fields)
+    sizes = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 3,
+             "num_attention_heads": 32}  # fmt: skip
+    cfg = QwenConfig.from_hf({"model_type": "qwen3", **sizes})
+    hf = Qwen3Config(**sizes)
+    assert (cfg.head_dim, cfg.num_key_value_heads) == (hf.head_dim, hf.num_key_value_heads)
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.rms_norm_eps == hf.rms_norm_eps
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings and cfg.layer_types == tuple(hf.layer_types)
+
+
 def test_the_8b_preset_is_the_public_config():
     """Qwen/Qwen3-8B's config.json as published (https://huggingface.co/Qwen/Qwen3-8B/blob/main/
     config.json), read by from_hf, is the qwen3_8b preset up to the carried extras."""
