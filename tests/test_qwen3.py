@@ -37,6 +37,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpi.cli import main as cli_main
 from jaxpi.config import FAMILIES, FULL, QWEN3_8B, QWEN3_TINY, TINY, HFConfigError, QwenConfig, preset
 from jaxpi.configfile import load_config
+from jaxpi.convert.gguf import check_supported
 from jaxpi.convert.hf import load_hf, save_hf
 from jaxpi.convert.safetensors_io import CheckpointError
 from jaxpi.convert.tiny import HF_CLASSES, TINY_CONFIGS
@@ -440,6 +441,9 @@ def test_refused_configs_name_their_field():
         )
     with pytest.raises(ValueError, match=r"not a Qwen3 dense config.*output gate"):
         Qwen3ForCausalLM(TINY.replace(num_hidden_layers=1, layer_types=(FULL,)), rngs=nnx.Rngs(0))
+    # llama.cpp's qwen35 graph (the GGUF export's) runs hybrid stacks only
+    with pytest.raises(CheckpointError, match=r"hybrid stacks only.*full_attention"):
+        check_supported(QWEN3_TINY, "q3/config.json")
     # the Qwen3.5 class still builds a Qwen3 config (one module tree, data-driven)
     m = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(QWEN3_TINY, rngs=nnx.Rngs(0)))
     assert m.groups is not None
