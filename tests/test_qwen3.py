@@ -185,6 +185,30 @@ def test_qlora_parity_against_peft_and_bitsandbytes(ckpt):
     assert len(report.grads) == 2 * 7 * QWEN3_TINY.num_hidden_layers  # A and B of every linear module
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_rmsnorm_of_the_pallas_path_is_the_jax_one(dtype):
+    """Qwen3's `x̂ · w` (norm offset 0) through the zero-centred Pallas kernel (interpreted on the
+    CPU) equals the plain-JAX norm, values and gradients, and is not the zero-centred norm."""
+    import jax.numpy as jnp
+
+    from jaxpi.kernels.norms import rms_norm
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 64)).astype(dtype)
+    w = (1.0 + 0.2 * jax.random.normal(jax.random.key(1), (64,))).astype(dtype)
+
+    def run(impl, offset=0.0):
+        def loss(x, w):
+            return jnp.sum(rms_norm(x, w, 1e-6, impl=impl, offset=offset).astype(jnp.float32) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    (a, (ga, gwa)), (b, (gb, gwb)) = run("jax"), run("pallas")
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ga, np.float32), np.asarray(gb, np.float32), rtol=1e-2, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gwa, np.float32), np.asarray(gwb, np.float32), rtol=1e-2, atol=1e-5)
+    assert abs(float(run("jax", offset=1.0)[0]) - float(a)) > 0.1 * abs(float(a))
+
+
 # ---- HF round trip ---------------------------------------------------------------------------------
 def test_round_trip_is_byte_exact_and_transformers_reloads_it(ckpt, tmp_path):
     src = ckpt(False)

@@ -151,8 +151,10 @@ def rms_norm(
         from jaxpi.kernels.pallas.norms import pallas_rms_norm
 
         # the kernel is zero-centred: x̂ · (offset + w) = x̂ · (1 + (w + offset - 1)), the same
-        # gradient for w
-        return pallas_rms_norm(x, weight if offset == 1.0 else weight + (offset - 1.0), eps, axes=axes)
+        # gradient for w; shifted in float32, where a 16-bit weight's shift is exact
+        if offset != 1.0:
+            weight = upcast(weight) + (offset - 1.0)
+        return pallas_rms_norm(x, weight, eps, axes=axes)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -27,7 +27,7 @@ from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.adapters import adapter_for
-from jaxpi.models.params import constant, constrain, log_uniform, normal, param
+from jaxpi.models.params import Init, constant, constrain, log_uniform, normal, param
 from jaxpi.models.quantized import QuantizedWeight, base_einsum
 
 # Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
@@ -162,7 +162,7 @@ class MLP(nnx.Module):
         return project(self, "down_proj", hidden, "btf,fd->btd", **kw)
 
 
-def norm_init(cfg: QwenConfig) -> Any:
+def norm_init(cfg: QwenConfig) -> Init:
     """An RMSNorm weight's identity: 0 for zero-centred norms (`1 + w`), 1 for plain ones (`w`)."""
     return constant(1.0 - cfg.norm_offset)
 
