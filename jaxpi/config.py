@@ -1,20 +1,28 @@
-"""`QwenConfig`: the Qwen3.5 text architecture as a frozen dataclass, symmetric with HF `config.json`.
+"""`QwenConfig`: a Qwen text architecture as a frozen dataclass, symmetric with HF `config.json`.
 
-`from_hf` accepts both checkpoint kinds:
-- `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`): the text settings at the top level;
-- `Qwen3_5ForConditionalGeneration` (model_type `qwen3_5`): the text settings under `text_config`.
-`to_hf` writes the text settings back (the caller merges them into the outer config of a
-multimodal checkpoint, see `jaxpi.convert.hf`).
+Two families share it (`FAMILIES`, looked up by the HF `model_type`):
+
+- Qwen3.5 (`qwen3_5`): the hybrid stack. `from_hf` accepts both checkpoint kinds:
+  `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`), the text settings at the top level, and
+  `Qwen3_5ForConditionalGeneration` (model_type `qwen3_5`), the text settings under `text_config`;
+- Qwen3 dense (`qwen3`, `Qwen3ForCausalLM`): every layer full attention, no output gate, plain
+  `w · x̂` norms, rotary over the whole head.
+
+The model reads what differs from data (`layer_types`, `attn_output_gate`, `norm_offset`,
+`partial_rotary_factor`), never from the family's name. `to_hf` writes the family's text
+settings back (the caller merges them into the outer config of a multimodal checkpoint, see
+`jaxpi.convert.hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxpi.hf_schema import HFConfigError, text_fields
+from jaxpi.hf_schema import HFConfigError, qwen3_fields, text_fields
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -84,10 +92,11 @@ class QwenConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
+    # Gated DeltaNet sizes (Qwen3.5); 0 in a family without DeltaNet layers
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     layer_types: tuple[str, ...] = ()
     rms_norm_eps: float = 1e-6
@@ -99,6 +108,12 @@ class QwenConfig:
     attention_bias: bool = False
     # the embedding row `transformers` builds with `padding_idx`: it gets no gradient (None: none)
     pad_token_id: int | None = None
+    # The family (a key of FAMILIES): how config.json is written back, which HF classes load it.
+    family: str = "qwen3_5"
+    # attention output gate `o ⊙ sigmoid(gate)`, its rows interleaved into q_proj (Qwen3.5 only)
+    attn_output_gate: bool = True
+    # every RMSNorm computes `x̂ · (norm_offset + w)`: 1.0 zero-centred (Qwen3.5), 0.0 plain (Qwen3)
+    norm_offset: float = 1.0
     # Runtime knobs, not part of the HF architecture (never written by `to_hf`).
     gdn_chunk_size: int = 64
     # the chunked gated delta rule, one of GDN_IMPLS: "jax" (plain JAX, sequential over chunks),
@@ -138,8 +153,17 @@ class QwenConfig:
             errors.append(f"unknown layer types {unknown} (expected {LINEAR!r} or {FULL!r})")
         if self.num_attention_heads % self.num_key_value_heads:
             errors.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            errors.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if LINEAR in self.layer_types:
+            sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")
+            bad = [n for n in (*sizes, "linear_value_head_dim") if getattr(self, n) < 1]
+            if bad:
+                errors.append(f"{', '.join(bad)} must be positive: the stack has DeltaNet layers")
+            elif self.linear_num_value_heads % self.linear_num_key_heads:
+                errors.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.family not in FAMILIES:
+            errors.append(f"family {self.family!r} is not one of {sorted(FAMILIES)}")
+        if self.norm_offset not in (0.0, 1.0):
+            errors.append(f"norm_offset {self.norm_offset} must be 0.0 (plain) or 1.0 (zero-centred)")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             errors.append(
                 f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and in (0, head_dim]"
@@ -191,9 +215,11 @@ class QwenConfig:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     def replace(self, **changes: Any) -> QwenConfig:
-        """`dataclasses.replace`, re-deriving `layer_types` when only the depth changes."""
+        """`dataclasses.replace`, re-deriving `layer_types` when only the depth changes (a stack of
+        full attention only, as Qwen3's, stays one)."""
         if "num_hidden_layers" in changes and "layer_types" not in changes:
-            changes["layer_types"] = ()
+            dense = set(self.layer_types) == {FULL}
+            changes["layer_types"] = (FULL,) * changes["num_hidden_layers"] if dense else ()
         return dataclasses.replace(self, **changes)
 
     # ---- HF interop ----------------------------------------------------------------------------
@@ -216,59 +242,69 @@ class QwenConfig:
                 raw = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise HFConfigError(f"config.json is not valid JSON: {e}") from None
-        text, tie, _ = text_fields(raw)
-        body = raw.get("text_config", raw) if "text_config" in raw else raw
-        kwargs: dict[str, Any] = {k: getattr(text, k) for k in _REQUIRED}
-        kwargs["linear_conv_kernel_dim"] = text.linear_conv_kernel_dim
-        kwargs["rms_norm_eps"] = float(text.rms_norm_eps)
-        if text.max_position_embeddings is not None:
-            kwargs["max_position_embeddings"] = text.max_position_embeddings
-        if text.layer_types is not None:
-            kwargs["layer_types"] = tuple(text.layer_types)
-        else:  # transformers' rule: full attention every `full_attention_interval` (4) layers
-            n = text.full_attention_interval or 4
-            kwargs["layer_types"] = tuple(
-                FULL if (i + 1) % n == 0 else LINEAR for i in range(text.num_hidden_layers)
-            )
-        rope = text.rope_parameters or text.rope_scaling
-        # transformers' defaults when a checkpoint gives none: theta 10000, a quarter rotated
-        theta = (rope and rope.rope_theta) or text.rope_theta or 10_000.0
-        factor = (rope and rope.partial_rotary_factor) or text.partial_rotary_factor or 0.25
-        kwargs["rope_theta"], kwargs["partial_rotary_factor"] = float(theta), float(factor)
-        kwargs["tie_word_embeddings"] = tie
-        if text.pad_token_id is not None:  # a negative id counts from the end, as nn.Embedding's
-            kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
-        kwargs["hf_extra"] = tuple(
-            sorted((k, _freeze(v)) for k, v in body.items() if k not in _KNOWN and k not in _DERIVED)
-        )
-        try:
-            return cls(**kwargs)
-        except ValueError as e:
-            raise HFConfigError(str(e)) from None
+        return family_of(raw).from_hf(raw)
 
     def to_hf(self) -> dict[str, Any]:
-        """The text config as HF writes it for `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`)."""
-        extra = {k: _thaw(v) for k, v in self.hf_extra}
-        rope = dict(extra.pop("rope_parameters", None) or {})
-        rope.update(
-            rope_type="default", rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor
+        """The text config as the family's CausalLM checkpoint writes it (`Family.to_hf`)."""
+        return FAMILIES[self.family].to_hf(self)
+
+
+def _qwen3_5_from_hf(raw: dict[str, Any]) -> QwenConfig:
+    """A Qwen3.5 config.json (CausalLM or ConditionalGeneration) -> QwenConfig."""
+    text, tie, _ = text_fields(raw)
+    body = raw.get("text_config", raw) if "text_config" in raw else raw
+    kwargs: dict[str, Any] = {k: getattr(text, k) for k in _REQUIRED}
+    kwargs["linear_conv_kernel_dim"] = text.linear_conv_kernel_dim
+    kwargs["rms_norm_eps"] = float(text.rms_norm_eps)
+    if text.max_position_embeddings is not None:
+        kwargs["max_position_embeddings"] = text.max_position_embeddings
+    if text.layer_types is not None:
+        kwargs["layer_types"] = tuple(text.layer_types)
+    else:  # transformers' rule: full attention every `full_attention_interval` (4) layers
+        n = text.full_attention_interval or 4
+        kwargs["layer_types"] = tuple(
+            FULL if (i + 1) % n == 0 else LINEAR for i in range(text.num_hidden_layers)
         )
-        out: dict[str, Any] = {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text",
-            **{k: getattr(self, k) for k in _REQUIRED},
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "layer_types": list(self.layer_types),
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": self.hidden_act,
-            "attention_bias": self.attention_bias,
-            **({} if self.pad_token_id is None else {"pad_token_id": self.pad_token_id}),
-            "rope_parameters": rope,
-            **extra,
-        }
-        return out
+    rope = text.rope_parameters or text.rope_scaling
+    # transformers' defaults when a checkpoint gives none: theta 10000, a quarter rotated
+    theta = (rope and rope.rope_theta) or text.rope_theta or 10_000.0
+    factor = (rope and rope.partial_rotary_factor) or text.partial_rotary_factor or 0.25
+    kwargs["rope_theta"], kwargs["partial_rotary_factor"] = float(theta), float(factor)
+    kwargs["tie_word_embeddings"] = tie
+    if text.pad_token_id is not None:  # a negative id counts from the end, as nn.Embedding's
+        kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
+    kwargs["hf_extra"] = tuple(
+        sorted((k, _freeze(v)) for k, v in body.items() if k not in _KNOWN and k not in _DERIVED)
+    )
+    try:
+        return QwenConfig(**kwargs)
+    except ValueError as e:
+        raise HFConfigError(str(e)) from None
+
+
+def _qwen3_5_to_hf(cfg: QwenConfig) -> dict[str, Any]:
+    """The text config as HF writes it for `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`)."""
+    extra = {k: _thaw(v) for k, v in cfg.hf_extra}
+    rope = dict(extra.pop("rope_parameters", None) or {})
+    rope.update(
+        rope_type="default", rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.partial_rotary_factor
+    )
+    out: dict[str, Any] = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        **{k: getattr(cfg, k) for k in _REQUIRED},
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        "layer_types": list(cfg.layer_types),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "attention_bias": cfg.attention_bias,
+        **({} if cfg.pad_token_id is None else {"pad_token_id": cfg.pad_token_id}),
+        "rope_parameters": rope,
+        **extra,
+    }
+    return out
 
 
 _REQUIRED = (
@@ -314,6 +350,141 @@ _DERIVED = {
     # settings of the layers that are checked to be the only value jaxpi implements
     "attention_dropout",
 }
+
+
+# ---- Qwen3 dense (`Qwen3ForCausalLM`) ------------------------------------------------------------
+# config.json fields of Qwen3 read into our own, or re-derived (so not carried as extras)
+_QWEN3_KNOWN = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
+    "pad_token_id",
+    "rope_parameters",
+    # checked to be the one value jaxpi implements (no sliding window, every layer full attention)
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+}
+
+
+def _qwen3_from_hf(raw: dict[str, Any]) -> QwenConfig:
+    """A Qwen3 config.json -> QwenConfig: every layer full attention, rotary over the whole head,
+    no output gate, plain norms, no DeltaNet sizes."""
+    text = qwen3_fields(raw)
+    rope = text.rope_parameters or text.rope_scaling
+    theta = (rope and rope.rope_theta) or text.rope_theta or 10_000.0  # transformers' default
+    kwargs: dict[str, Any] = {
+        k: getattr(text, k)
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim")
+    }
+    kwargs.update(
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+        layer_types=(FULL,) * text.num_hidden_layers,
+        rms_norm_eps=float(text.rms_norm_eps),
+        rope_theta=float(theta),
+        partial_rotary_factor=1.0,
+        tie_word_embeddings=bool(text.tie_word_embeddings),
+        family="qwen3",
+        attn_output_gate=False,
+        norm_offset=0.0,
+    )
+    if text.max_position_embeddings is not None:
+        kwargs["max_position_embeddings"] = text.max_position_embeddings
+    if text.pad_token_id is not None:
+        kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
+    kwargs["hf_extra"] = tuple(
+        sorted((k, _freeze(v)) for k, v in raw.items() if k not in _QWEN3_KNOWN and k not in _DERIVED)
+    )
+    try:
+        return QwenConfig(**kwargs)
+    except ValueError as e:
+        raise HFConfigError(str(e)) from None
+
+
+def _qwen3_to_hf(cfg: QwenConfig) -> dict[str, Any]:
+    """The config as HF writes it for `Qwen3ForCausalLM` (model_type `qwen3`)."""
+    extra = {k: _thaw(v) for k, v in cfg.hf_extra}
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "hidden_act",
+        "attention_bias",
+    )
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **{k: getattr(cfg, k) for k in keys},
+        "use_sliding_window": False,
+        **({} if cfg.pad_token_id is None else {"pad_token_id": cfg.pad_token_id}),
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **extra,
+    }
+
+
+# ---- the family registry -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family at the config level: which HF `model_type`s are read as it, and how its
+    config.json is read and written. The rest of a family is registered by name where its layer
+    lives: the model class (`jaxpi.models.families`), the tiny builder (`jaxpi.convert.tiny`),
+    the float64 reference's modeling module (`jaxpi.torch_reference`); the HF tensor table
+    (`jaxpi.convert.table`) follows the config's data (layer types, gate, sizes)."""
+
+    name: str
+    model_types: tuple[str, ...]  # HF `model_type` values (outer and text config) read as this family
+    from_hf: Callable[[dict[str, Any]], QwenConfig]
+    to_hf: Callable[[QwenConfig], dict[str, Any]]
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3_5", ("qwen3_5_text", "qwen3_5"), _qwen3_5_from_hf, _qwen3_5_to_hf),
+        Family("qwen3", ("qwen3",), _qwen3_from_hf, _qwen3_to_hf),
+    )
+}
+MODEL_TYPES = {t: f for f in FAMILIES.values() for t in f.model_types}
+
+
+def family_of(raw: Any) -> Family:
+    """The family of a parsed config.json, by its `model_type` (none given: Qwen3.5's text config,
+    as before families existed). An unknown one is an `HFConfigError` naming the known ones."""
+    if not isinstance(raw, dict):
+        raise HFConfigError(f"config.json must be a JSON object, not {type(raw).__name__}")
+    kind = raw.get("model_type")
+    if kind is None and "text_config" not in raw:
+        return FAMILIES["qwen3_5"]
+    if "text_config" in raw and kind is None:
+        kind = "qwen3_5"
+    if not isinstance(kind, str) or kind not in MODEL_TYPES:
+        raise HFConfigError(
+            f"model_type: {kind!r} is not a model jaxpi knows (not a Qwen3.5 text model nor a Qwen3 "
+            f"dense one); known model types: {', '.join(repr(t) for t in sorted(MODEL_TYPES))}"
+        )
+    return MODEL_TYPES[kind]
 
 
 def _freeze(v: Any) -> Any:
@@ -398,7 +569,53 @@ TINY = QwenConfig(
     gdn_chunk_size=16,
 )
 
-PRESETS: dict[str, QwenConfig] = {"qwen3_5_27b": QWEN3_5_27B, "qwen3_5_9b": QWEN3_5_9B, "tiny": TINY}
+# Qwen3-8B (dense), every number from the public config.json,
+# https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json: hidden 4096, 36 layers, 32 q / 8 kv
+# heads of 128, intermediate 12288, vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6,
+# max_position_embeddings 40960, untied embeddings, no sliding window.
+QWEN3_8B = QwenConfig(
+    vocab_size=151_936,
+    hidden_size=4_096,
+    intermediate_size=12_288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    layer_types=(FULL,) * 36,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    partial_rotary_factor=1.0,
+    max_position_embeddings=40_960,
+    tie_word_embeddings=False,
+    family="qwen3",
+    attn_output_gate=False,
+    norm_offset=0.0,
+    hf_extra=(("bos_token_id", 151_643), ("eos_token_id", 151_645)),
+)
+
+# A tiny Qwen3 for tests and `jaxpi demo --family qwen3`: GQA, q/k norms, tied embeddings (as
+# the small Qwen3 sizes have them).
+QWEN3_TINY = QWEN3_8B.replace(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    layer_types=(FULL,) * 4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    hf_extra=(),
+)
+
+PRESETS: dict[str, QwenConfig] = {
+    "qwen3_5_27b": QWEN3_5_27B,
+    "qwen3_5_9b": QWEN3_5_9B,
+    "tiny": TINY,
+    "qwen3_8b": QWEN3_8B,
+    "qwen3_tiny": QWEN3_TINY,
+}
 
 
 def preset(name: str) -> QwenConfig:

@@ -14,6 +14,10 @@
                 comparison on the toy-copy base, configs/sft/toy.yaml and configs/grpo/toy.yaml)
 
 Each stage is skipped when its output already exists, so a rerun picks up where it stopped.
+
+`family="qwen3"` (`jaxpi demo --family qwen3`) runs stages 1-4 on the tiny Qwen3 dense instead:
+parity on a tiny random `Qwen3ForCausalLM`, the SFT on the "tiny-random-qwen3" base, the peft
+export and its reload (the FP8/GGUF deploy and the toy GRPO study are Qwen3.5's).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpi.config import TINY, QwenConfig
+from jaxpi.config import FAMILIES, TINY, QwenConfig
 from jaxpi.configfile import load_config
 from jaxpi.convert.hf import load_hf
+from jaxpi.convert.tiny import HF_CLASSES, tiny_config
 from jaxpi.experiments.toy.result import run_comparison
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.llamacpp.runtime import find, gguf_logits
@@ -60,10 +65,13 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, Any]:
-    ckpt = root / "tiny-qwen3_5"
+def run_parity(root: Path, *, seed: int, seq_len: int, say: Any, family: str = "qwen3_5") -> dict[str, Any]:
+    ckpt = root / f"tiny-{family}"
     if not (ckpt / "config.json").exists():
-        make_checkpoint(ckpt, TINY.replace(num_hidden_layers=8), kind="conditional", seed=seed)
+        if family == "qwen3_5":  # the multimodal layout, vision tower and MTP tensors carried
+            make_checkpoint(ckpt, TINY.replace(num_hidden_layers=8), kind="conditional", seed=seed)
+        else:
+            make_checkpoint(ckpt, tiny_config(family), seed=seed)
     cfg, model = load_hf(ckpt)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     say(f"[1/6] parity  {ckpt}: {cfg.num_hidden_layers} layers {cfg.layer_types}, {n_params:,} params")
@@ -72,10 +80,11 @@ def run_parity(root: Path, *, seed: int, seq_len: int, say: Any) -> dict[str, An
     return report.to_json()
 
 
-def run_training(root: Path, say: Any, progress: bool) -> dict[str, Any]:
+def run_training(root: Path, say: Any, progress: bool, family: str = "qwen3_5") -> dict[str, Any]:
     run_dir = root / "sft"
-    say(f"[2/6] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir}")
-    cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}"])
+    extra = [] if family == "qwen3_5" else [f"model.base=tiny-random-{family}"]
+    say(f"[2/6] sft  jaxpi sft --config configs/sft/tiny.yaml output.dir={run_dir} {' '.join(extra)}")
+    cfg = load_config(SFTConfig, CONFIGS / "sft" / "tiny.yaml", [f"output.dir={run_dir}", *extra])
     summary = run_sft(cfg, progress=progress, out=sys.stdout if progress else sys.stderr)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     losses = [r["loss"] for r in records]
@@ -96,10 +105,19 @@ def run_export(root: Path, say: Any) -> dict[str, Any]:
     return summary
 
 
+def _hf_class(base: Path) -> Any:
+    """The transformers class that loads `base`: its family's CausalLM, or Qwen3.5's
+    ConditionalGeneration for the multimodal layout."""
+    import transformers
+
+    if base_prefix(base) != CAUSAL_PREFIX:
+        return transformers.Qwen3_5ForConditionalGeneration
+    return getattr(transformers, HF_CLASSES[QwenConfig.from_hf(base).family][1])
+
+
 def run_reload(root: Path, say: Any) -> dict[str, Any]:
     """The exported adapter in peft vs jaxpi on one held-out demo session (first 256 tokens)."""
     import torch  # torch, transformers and peft only for this stage
-    import transformers
     from peft import PeftModel
 
     _, _, meta = load_adapter(root / "sft")
@@ -107,12 +125,7 @@ def run_reload(root: Path, say: Any) -> dict[str, Any]:
     val = json.loads((root / "sft" / "data_report.json").read_text())
     ids = _held_out_ids(root / "sft", base, val)
 
-    cls = (
-        transformers.Qwen3_5ForCausalLM
-        if base_prefix(base) == CAUSAL_PREFIX
-        else transformers.Qwen3_5ForConditionalGeneration
-    )
-    hf = cls.from_pretrained(base, dtype=torch.float32).eval()
+    hf = _hf_class(base).from_pretrained(base, dtype=torch.float32).eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # a transformers deprecation peft triggers
         torch_base = hf(input_ids=torch.from_numpy(ids[None]).long()).logits.float().numpy()
@@ -152,7 +165,6 @@ def run_deploy(root: Path, say: Any) -> dict[str, Any]:
     """FP8 and GGUF exports of the merged SFT model, each reloaded by the runtime that serves it;
     logits on the held-out session against jaxpi's merged model (float32)."""
     import torch
-    import transformers
 
     state, lcfg, meta = load_adapter(root / "sft")
     base = Path(meta["base"])
@@ -164,14 +176,9 @@ def run_deploy(root: Path, say: Any) -> dict[str, Any]:
     ours = np.asarray(jax.jit(lambda m, x: m(x))(model, ids[None]))[0]
 
     fp8 = export(root / "sft", root / "fp8", fmt="fp8", overwrite=True)
-    cls = (
-        transformers.Qwen3_5ForCausalLM
-        if base_prefix(base) == CAUSAL_PREFIX
-        else transformers.Qwen3_5ForConditionalGeneration
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = cls.from_pretrained(root / "fp8", dtype=torch.float32).eval()
+        hf = _hf_class(base).from_pretrained(root / "fp8", dtype=torch.float32).eval()
     with torch.no_grad():
         fp8_logits = hf(input_ids=torch.from_numpy(ids[None]).long()).logits[0].float().numpy()
     out: dict[str, Any] = {
@@ -230,19 +237,34 @@ def run_grpo_comparison(root: Path, say: Any, progress: bool, full: bool) -> dic
 
 
 def run_demo(
-    out: str | Path | None, *, seed: int = 0, seq_len: int = 32, as_json: bool = False, full: bool = False
+    out: str | Path | None,
+    *,
+    seed: int = 0,
+    seq_len: int = 32,
+    as_json: bool = False,
+    full: bool = False,
+    family: str = "qwen3_5",
 ) -> int:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="jaxpi-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if as_json else print
-    result = {"out": str(root)}
-    result["parity"] = run_parity(root, seed=seed, seq_len=seq_len, say=say)
-    result["sft"] = run_training(root, say, progress=not as_json)
+    result = {"out": str(root), "family": family}
+    result["parity"] = run_parity(root, seed=seed, seq_len=seq_len, say=say, family=family)
+    result["sft"] = run_training(root, say, progress=not as_json, family=family)
     result["export"] = run_export(root, say)
     result["reload"] = run_reload(root, say)
-    result["deploy"] = run_deploy(root, say)
-    result["grpo"] = run_grpo_comparison(root, say, progress=not as_json, full=full)
-    ok = result["parity"]["passed"] and result["reload"]["passed"] and result["deploy"]["passed"]
+    if family == "qwen3_5":  # deploy (FP8, GGUF) and the toy GRPO study are Qwen3.5's
+        result["deploy"] = run_deploy(root, say)
+        result["grpo"] = run_grpo_comparison(root, say, progress=not as_json, full=full)
+    else:
+        say(f"stages 5 and 6 (deploy, grpo) are Qwen3.5's: skipped for {family}")
+    ok = (
+        result["parity"]["passed"]
+        and result["reload"]["passed"]
+        and result.get("deploy", {"passed": True})["passed"]
+    )
     ok = ok and result["sft"]["losses"][-1] < result["sft"]["losses"][0]
     if as_json:
         print(json.dumps(result, indent=2, default=str))

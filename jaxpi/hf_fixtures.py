@@ -64,8 +64,8 @@ def random_jax_model(cfg: QwenConfig = TINY, seed: int = 0, dtype: Any = "float3
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.models.families import model_class
 
-    abstract = nnx.eval_shape(lambda: Qwen3_5ForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     return nnx.merge(graphdef, seeded_noise(state, seed))

@@ -1,4 +1,4 @@
-"""HF `config.json` of a Qwen3.5 checkpoint, read through typed schemas (pydantic, strict).
+"""HF `config.json` of a Qwen3.5 or Qwen3 checkpoint, read through typed schemas (pydantic, strict).
 
 Every field `transformers`' `Qwen3_5TextConfig` / `Qwen3_5Config` define is either honoured by
 jaxpi or refused with an error that names it (docs/parity.md, "What jaxpi does with each HF
@@ -89,6 +89,38 @@ class OuterConfig(_Schema):
     tie_word_embeddings: bool = False
 
 
+class Qwen3Fields(_Schema):
+    """A `Qwen3ForCausalLM` config.json (`transformers`' `Qwen3Config`): dense, every layer full
+    attention; the sliding window (off in every released Qwen3) is refused."""
+
+    model_type: Literal["qwen3"]
+    vocab_size: PosInt
+    hidden_size: PosInt
+    intermediate_size: PosInt
+    num_hidden_layers: PosInt
+    num_attention_heads: PosInt
+    num_key_value_heads: PosInt | None = 32  # transformers' defaults (None: one per query head)
+    head_dim: PosInt = 128  # (not hidden_size / heads)
+    hidden_act: Literal["silu"] = "silu"
+    max_position_embeddings: PosInt | None = None
+    rms_norm_eps: HFFloat = 1e-6
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | None = None
+    rope_scaling: RopeParameters | None = None
+    rope_theta: PosFloat | None = None
+    attention_bias: Literal[False] = False
+    attention_dropout: Annotated[float, Field(ge=0, le=0)] = 0.0
+    use_sliding_window: Literal[False] = False
+    sliding_window: PosInt | None = None  # unused without use_sliding_window
+    max_window_layers: Annotated[int, Field(ge=0)] | None = None
+    layer_types: list[Literal["full_attention"]] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    initializer_range: Annotated[float, BeforeValidator(_not_an_int)] | None = None
+    use_cache: bool | None = None
+
+
 # Why a field is refused, for the error message (the schema's own message names the value).
 _REFUSED = {
     "model_type": "not a Qwen3.5 text model",
@@ -96,6 +128,9 @@ _REFUSED = {
     "attention_bias": "Qwen3.5 has no attention biases; jaxpi's attention has none",
     "attention_dropout": "jaxpi trains without attention dropout; set it to 0.0",
     "rope_type": "only the default (unscaled) RoPE of Qwen3.5 is implemented",
+    "use_sliding_window": "jaxpi's attention has no sliding window",
+    "layer_types": "jaxpi implements Qwen3's full-attention layers only",
+    "partial_rotary_factor": "Qwen3 rotates the whole head",
 }
 
 
@@ -142,3 +177,24 @@ def text_fields(raw: Any) -> tuple[TextConfig, bool, str]:
         if value is not None and not math.isfinite(value):
             raise HFConfigError(f"{prefix}{name}: must be finite (got {value!r})")
     return text, tie, prefix
+
+
+def qwen3_fields(raw: dict[str, Any]) -> Qwen3Fields:
+    """Validate a Qwen3 config.json (errors name the field, as `text_fields`')."""
+    try:
+        text = Qwen3Fields.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(e, "") from None
+    rope = text.rope_parameters or text.rope_scaling
+    if rope is not None and rope.partial_rotary_factor not in (None, 1.0):
+        raise HFConfigError(
+            f"rope_parameters.partial_rotary_factor: {rope.partial_rotary_factor} is not supported — "
+            + _REFUSED["partial_rotary_factor"]
+        )
+    if text.pad_token_id is not None and not -text.vocab_size <= text.pad_token_id < text.vocab_size:
+        raise HFConfigError(
+            f"pad_token_id: {text.pad_token_id} is not an embedding row (vocab_size {text.vocab_size})"
+        )
+    if text.num_key_value_heads is not None and text.num_attention_heads % text.num_key_value_heads:
+        raise HFConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+    return text

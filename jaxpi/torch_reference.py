@@ -1,4 +1,4 @@
-"""`transformers`' Qwen3.5 as the parity reference: float32, bfloat16, and a true float64.
+"""`transformers`' Qwen3.5 and Qwen3 as the parity reference: float32, bfloat16, and a true float64.
 
 `transformers` computes several steps in float32 whatever the model's dtype: the RMSNorms
 (`x.float()`), the gated norm, the rotary tables, the softmax, the decay gate
@@ -7,12 +7,15 @@ with `dtype=torch.float64` is therefore not a float64 computation: its DeltaNet 
 the same float32 rounding as the float32 model's, and an arbiter built on it favours torch's own
 float32 run. `float64_modeling()` executes the same modeling source with each of those upcasts
 widened to float64 (a checked, textual change of the listed casts and nothing else), so the
-reference is `transformers`' algorithm in double precision throughout. Tests check that it is:
+reference is `transformers`' algorithm in double precision throughout. Each family's modeling
+module is listed in `MODELING` with its upcasts (Qwen3's: the RMSNorm, the softmax, the rotary
+tables). Tests check that it is:
 its logits equal jaxpi's own float64 run to ~1e-13, where any float32 step would show at ~1e-7.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import sys
@@ -22,52 +25,97 @@ from typing import Any
 
 import numpy as np
 
-_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-# Every float32 upcast in the pinned transformers' modeling_qwen3_5.py, and how many it has. A
-# new transformers release that moves them fails here instead of silently computing in float32.
-_UPCASTS = {
-    ".to(torch.float32": 4,  # gated norm (2), chunked and recurrent gated delta rules
-    "dtype=torch.float32)": 1,  # the attention softmax
-    ".float()": 11,  # rotary tables (2), decay gate (2 + 1 in a comment), RMSNorm (2), rope on q/k (4)
-    "dtype=torch.float)": 4,  # rotary inverse frequencies
-}
+
+@dataclasses.dataclass(frozen=True)
+class Modeling:
+    """One family's `transformers` modeling module as the reference: its float32 upcasts (and how
+    many it has: a new transformers release that moves them fails here instead of silently
+    computing in float32), the towers its top class builds through AutoModel, and its model
+    class per config `model_type`."""
+
+    module: str
+    upcasts: dict[str, int]
+    towers: tuple[tuple[str, str], ...]  # (config attribute, this module's class) built via AutoModel
+    classes: dict[str, str]  # config.json model_type -> the class that loads it
 
 
-def _widen(source: str) -> str:
-    found = {k: source.count(k) for k in _UPCASTS}
-    if found != _UPCASTS:
+# Every modeling module the float64 arbiter knows how to widen, by HF model_type. A model built
+# from any other module's classes is refused (`load_reference`).
+MODELING: dict[str, Modeling] = {}
+_QWEN3_5 = Modeling(
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    {
+        ".to(torch.float32": 4,  # gated norm (2), chunked and recurrent gated delta rules
+        "dtype=torch.float32)": 1,  # the attention softmax
+        ".float()": 11,  # rotary tables (2), decay gate (2 + 1 in a comment), RMSNorm (2), rope on q/k (4)
+        "dtype=torch.float)": 4,  # rotary inverse frequencies
+    },
+    (("text_config", "Qwen3_5TextModel"), ("vision_config", "Qwen3_5VisionModel")),
+    {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"},
+)
+_QWEN3 = Modeling(
+    "transformers.models.qwen3.modeling_qwen3",
+    {
+        ".to(torch.float32": 1,  # RMSNorm
+        "dtype=torch.float32)": 1,  # the attention softmax
+        ".float()": 1,  # rotary positions
+        "dtype=torch.float)": 2,  # rotary inverse frequencies (2)
+    },
+    (),
+    {"qwen3": "Qwen3ForCausalLM"},
+)
+for _m in (_QWEN3_5, _QWEN3):
+    MODELING.update(dict.fromkeys(_m.classes, _m))
+
+
+def _widen(source: str, ref: Modeling = _QWEN3_5) -> str:
+    name = ref.module
+    found = {k: source.count(k) for k in ref.upcasts}
+    if found != ref.upcasts:
         raise RuntimeError(
-            f"{_MODULE}: its float32 upcasts changed ({found}, expected {_UPCASTS}); "
+            f"{name}: its float32 upcasts changed ({found}, expected {ref.upcasts}); "
             "the float64 reference must be re-checked against this transformers version"
         )
-    # the ConditionalGeneration model builds its towers through AutoModel, which would pick the
+    # a ConditionalGeneration model builds its towers through AutoModel, which would pick the
     # original (float32-upcasting) classes: build this module's own instead
-    for tower, cls in (("text_config", "Qwen3_5TextModel"), ("vision_config", "Qwen3_5VisionModel")):
+    for tower, cls in ref.towers:
         call = f"AutoModel.from_config(config.{tower})"
         if source.count(call) != 1:
-            raise RuntimeError(f"{_MODULE}: expected one {call}; the float64 reference must be re-checked")
+            raise RuntimeError(f"{name}: expected one {call}; the float64 reference must be re-checked")
         source = source.replace(call, f"{cls}._from_config(config.{tower})")
     out = source.replace(".to(torch.float32", ".to(torch.float64")
     out = out.replace("dtype=torch.float32)", "dtype=torch.float64)")
     out = out.replace(".float()", ".double()")
     out = out.replace("dtype=torch.float)", "dtype=torch.float64)")
     if "torch.float32" in out or "torch.float)" in out or ".float()" in out:
-        raise RuntimeError(f"{_MODULE}: a float32 cast is left after widening")
+        raise RuntimeError(f"{name}: a float32 cast is left after widening")
     return out
 
 
 @functools.cache
-def float64_modeling() -> types.ModuleType:
-    """`modeling_qwen3_5` with its float32 upcasts widened to float64 (see the module docstring)."""
-    original = importlib.import_module(_MODULE)
+def float64_modeling(model_type: str = "qwen3_5_text") -> types.ModuleType:
+    """The modeling module of `model_type` with its float32 upcasts widened to float64 (see the
+    module docstring)."""
+    ref = modeling(model_type)
+    original = importlib.import_module(ref.module)
     path = Path(original.__file__)
-    module = types.ModuleType(_MODULE + "_float64")
+    module = types.ModuleType(ref.module + "_float64")
     module.__file__ = str(path)
     module.__package__ = original.__package__
     sys.modules[module.__name__] = module
     # dont_inherit: this file's `from __future__ import annotations` would turn its annotations into strings
-    exec(compile(_widen(path.read_text()), str(path), "exec", dont_inherit=True), module.__dict__)
+    exec(compile(_widen(path.read_text(), ref), str(path), "exec", dont_inherit=True), module.__dict__)
     return module
+
+
+def modeling(model_type: str) -> Modeling:
+    """The reference modeling module of a config.json `model_type`; an unknown one is refused."""
+    try:
+        return MODELING[model_type]
+    except KeyError:
+        raise ValueError(
+            f"no float64 reference for model_type {model_type!r}; known: {sorted(MODELING)}"
+        ) from None
 
 
 def _quiet() -> None:
@@ -86,8 +134,9 @@ def load_reference(hf_dir: str | Path, dtype: str) -> Any:
 
     _quiet()
     kind = AutoConfig.from_pretrained(hf_dir).model_type
-    module = float64_modeling() if dtype == "float64" else importlib.import_module(_MODULE)
-    cls = module.Qwen3_5ForConditionalGeneration if kind == "qwen3_5" else module.Qwen3_5ForCausalLM
+    ref = modeling(kind)
+    module = float64_modeling(kind) if dtype == "float64" else importlib.import_module(ref.module)
+    cls = getattr(module, ref.classes[kind])
     model = cls.from_pretrained(hf_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
     foreign = {
         type(m).__qualname__
@@ -176,8 +225,8 @@ def load_quantized(hf_dir: str | Path, base_quant: str, dtype: str) -> Any:
 
     _quiet()
     kind = AutoConfig.from_pretrained(hf_dir).model_type
-    module = importlib.import_module(_MODULE)
-    cls = module.Qwen3_5ForConditionalGeneration if kind == "qwen3_5" else module.Qwen3_5ForCausalLM
+    ref = modeling(kind)
+    cls = getattr(importlib.import_module(ref.module), ref.classes[kind])
     return cls.from_pretrained(
         hf_dir,
         dtype=getattr(torch, dtype),

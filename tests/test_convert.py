@@ -462,7 +462,7 @@ BAD = {
     ),
     "model_type": (
         dict(config_edit=lambda c: c.update(model_type="llama")),
-        ["config.json", "model_type", "'llama'", "'qwen3_5_text' or 'qwen3_5'"],
+        ["config.json", "model_type", "'llama'", "known model types", "'qwen3'", "'qwen3_5_text'"],
     ),
     "lm_head_tied_shape": (
         dict(

@@ -31,15 +31,15 @@ def abstract_step(bench: BenchConfig, layers: int | None = None) -> tuple[Any, t
     """(the un-jitted step, abstract (params, opt_state, batch)) for the bench model, at `layers`
     depth (the layer pattern re-derived) or as it is (None)."""
     from jaxpi.lora import LoraConfig, LoRAParam, add_lora
-    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.models.families import model_class
     from jaxpi.train.step import init_opt_state, make_train_step
 
     cfg = bench.model if layers is None else bench.model.replace(num_hidden_layers=layers)
     dtype = jnp.dtype(bench.dtype)
     rank = bench.lora_rank
 
-    def build() -> Qwen3_5ForCausalLM:
-        model = Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    def build() -> Any:
+        model = model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0))
         return add_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
 
     graphdef, params = nnx.split(nnx.eval_shape(build))

@@ -42,6 +42,12 @@ def add_subparser(sub: Any) -> None:
         action="store_true",
         help="stage 5: the whole effort-ordered vs binary GRPO comparison (longer)",
     )
+    demo.add_argument(
+        "--family",
+        choices=["qwen3_5", "qwen3"],
+        default="qwen3_5",
+        help="qwen3: stages 1-4 (parity, sft, export, reload) on the tiny Qwen3 dense",
+    )
     demo.set_defaults(fn=cmd_demo)
 
 
@@ -49,4 +55,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Parity, a short LoRA SFT on the demo Pi sessions, export, and the adapter reloaded in peft."""
     from jaxpi.demo import run_demo
 
-    return run_demo(args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json, full=args.full)
+    return run_demo(
+        args.out, seed=args.seed, seq_len=args.seq_len, as_json=args.json, full=args.full, family=args.family
+    )

@@ -17,7 +17,7 @@ SPEC = ConfigSpec(
     PlanConfig,
     "plan",
     (
-        Flag("--model", "model", "model preset (qwen3_5_27b, qwen3_5_9b, tiny)"),
+        Flag("--model", "model", "model preset (qwen3_5_27b, qwen3_5_9b, tiny, qwen3_8b, qwen3_tiny)"),
         Flag("--mesh", "mesh", "e.g. fsdp=64 or data=2,fsdp=4,tensor=2"),
         Flag("--dcn", "dcn", "the part of each axis across slices/hosts, e.g. data=2"),
         Flag("--preset", "preset", "configs/sharding/NAME.yaml: mesh, dcn, device memory"),

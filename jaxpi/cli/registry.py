@@ -33,7 +33,11 @@ COMMANDS: tuple[Command, ...] = (
         "check a HF checkpoint, or re-export it through jaxpi (dtype, shard size)",
         compile_cache=True,
     ),
-    Command("tiny-checkpoint", "jaxpi.cli.tiny", "write a tiny random Qwen3.5 checkpoint with transformers"),
+    Command(
+        "tiny-checkpoint",
+        "jaxpi.cli.tiny",
+        "write a tiny random Qwen3.5 (or Qwen3) checkpoint with transformers",
+    ),
     Command(
         "plan",
         "jaxpi.cli.plan",

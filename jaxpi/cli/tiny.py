@@ -1,5 +1,5 @@
-"""`jaxpi tiny-checkpoint`: a tiny random Qwen3.5 checkpoint built by transformers, with the
-bundled tiny tokenizer and its chat template, so `jaxpi serve --model OUT` serves it as it is
+"""`jaxpi tiny-checkpoint`: a tiny random checkpoint built by transformers (Qwen3.5, or with
+`--family qwen3` the Qwen3 dense), with the bundled tiny tokenizer and its chat template, so `jaxpi serve --model OUT` serves it as it is
 (a --hf-config checkpoint has no tokenizer: its vocabulary is the config's)."""
 
 from __future__ import annotations
@@ -16,9 +16,20 @@ def add_subparser(sub: Any) -> None:
     """Register `jaxpi tiny-checkpoint`."""
     tiny = sub.add_parser("tiny-checkpoint", help=help_for("tiny-checkpoint"))
     tiny.add_argument("out")
+    tiny.add_argument(
+        "--family",
+        choices=["qwen3_5", "qwen3"],
+        default="qwen3_5",
+        help="the model family's tiny preset (qwen3: the Qwen3 dense, Qwen3ForCausalLM)",
+    )
     tiny.add_argument("--kind", choices=["causal", "conditional"], default="causal")
     tiny.add_argument("--layers", type=int, default=4)
-    tiny.add_argument("--tied", action="store_true", help="tie_word_embeddings")
+    tiny.add_argument(
+        "--tied",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tie_word_embeddings (default: the family's tiny preset: off for qwen3_5, on for qwen3)",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     tiny.add_argument(
@@ -43,7 +54,7 @@ def add_subparser(sub: Any) -> None:
 
 def cmd_tiny(args: argparse.Namespace) -> int:
     from jaxpi.atomic import atomic_dir
-    from jaxpi.config import TINY
+    from jaxpi.convert.tiny import tiny_config
     from jaxpi.hf_fixtures import make_checkpoint, make_hf_checkpoint
 
     text = None
@@ -60,13 +71,15 @@ def cmd_tiny(args: argparse.Namespace) -> int:
                 tmp,
                 text,
                 kind=args.kind,
-                tie=args.tied,
+                tie=bool(args.tied),
                 weights=args.weights,
                 strong_decay=args.strong_decay,
                 seed=args.seed,
             )
         else:
-            cfg = TINY.replace(num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
+            tiny = tiny_config(args.family)
+            tied = tiny.tie_word_embeddings if args.tied is None else args.tied
+            cfg = tiny.replace(num_hidden_layers=args.layers, tie_word_embeddings=tied)
             # With the tiny tokenizer (its chat template included): `jaxpi serve --model OUT` runs as is.
             make_checkpoint(tmp, cfg, kind=args.kind, seed=args.seed, dtype=args.dtype, tokenizer=True)
     print(args.out)

@@ -218,7 +218,13 @@ def plan_tensors(cfg: QwenConfig, index: dict[str, TensorInfo], dtype: str = "BF
 
 
 def check_supported(cfg: QwenConfig, where: str) -> None:
-    """llama.cpp's qwen35 graph reads one head size for the DeltaNet's keys and values."""
+    """llama.cpp's qwen35 graph runs hybrid stacks and reads one head size for the DeltaNet's keys
+    and values."""
+    if set(cfg.layer_types) != {FULL, LINEAR}:
+        raise CheckpointError(
+            f"{where}: llama.cpp's qwen35 model runs hybrid stacks only (it aborts on an empty KV cache or "
+            f"recurrent state): this checkpoint has only {cfg.layer_types[0]} layers; every Qwen3.5 mixes both"
+        )
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
         raise CheckpointError(
             f"{where}: llama.cpp's qwen35 model needs linear_key_head_dim == linear_value_head_dim "
@@ -227,11 +233,6 @@ def check_supported(cfg: QwenConfig, where: str) -> None:
         )
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise CheckpointError(f"{where}: linear_num_value_heads is not a multiple of linear_num_key_heads")
-    if set(cfg.layer_types) != {FULL, LINEAR}:
-        raise CheckpointError(
-            f"{where}: llama.cpp's qwen35 model runs hybrid stacks only (it aborts on an empty KV cache or "
-            f"recurrent state): this checkpoint has only {cfg.layer_types[0]} layers; every Qwen3.5 mixes both"
-        )
 
 
 def _covers(sec: list[int], pairs: int) -> bool:

@@ -90,7 +90,7 @@ def check_checkpoint(cfg: QwenConfig, index: dict[str, TensorInfo]) -> tuple[lis
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(
             f"unexpected tensor {unexpected[0]!r} ({info.dtype} {list(info.shape)}){more}: expected no such "
-            f"tensor, it is neither part of the Qwen3.5 text model described by config.json nor a carried "
+            f"tensor, it is neither part of the text model described by config.json nor a carried "
             f"vision/MTP tensor ({' / '.join(p + '*' for p in CARRIED_PREFIXES)})"
         )
     for r in rules:
@@ -117,13 +117,8 @@ def read_config(path: str | os.PathLike) -> QwenConfig:
         raise CheckpointError(f"{f}: not a JSON object (a HF config is one)")
     try:
         return QwenConfig.from_hf(raw)
-    except ValueError as e:
-        hint = (
-            " (expected 'qwen3_5_text' or 'qwen3_5')"
-            if "model_type" in str(e) and "expected" not in str(e)
-            else ""
-        )
-        raise CheckpointError(f"{f}: {e}{hint}") from e
+    except ValueError as e:  # an unknown model_type's message names the known ones
+        raise CheckpointError(f"{f}: {e}") from e
     except (TypeError, AttributeError, KeyError) as e:  # a field of a type the config reader did not expect
         raise CheckpointError(f"{f}: malformed config ({type(e).__name__}: {e})") from e
 
@@ -176,7 +171,8 @@ def load_hf(
     progress: bool = False,
     base_quant: str = "none",
 ) -> tuple[QwenConfig, Qwen3_5ForCausalLM]:
-    """Load a HF Qwen3.5 checkpoint (CausalLM or ConditionalGeneration) into a jaxpi model.
+    """Load a HF checkpoint of a known family (`jaxpi.config.FAMILIES`: Qwen3.5 CausalLM or
+    ConditionalGeneration, Qwen3 CausalLM) into a jaxpi model of the family's class.
 
     `shardings(path, logical_axes)` may return the `jax.sharding.Sharding` of each parameter
     (its path in the model state, its logical axes with "layers" first for stacked groups);
@@ -303,7 +299,8 @@ def save_hf(
     With `source` (the checkpoint it came from), its config layout (CausalLM or
     ConditionalGeneration), tokenizer/generation files and every tensor the text model does not own
     are carried over, and each tensor keeps the source's dtype unless `dtype` is given ("float32",
-    "bfloat16", "float16"). Without `source`, a `Qwen3_5ForCausalLM` checkpoint in the model's dtype.
+    "bfloat16", "float16"). Without `source`, the family's CausalLM checkpoint (config.json by
+    `QwenConfig.to_hf`) in the model's dtype.
     """
     cfg = model.cfg
     out = Path(out_dir)

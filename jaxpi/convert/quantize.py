@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxpi.config import QwenConfig
 from jaxpi.convert.table import Rule, stack_index, text_rules
+from jaxpi.models.families import model_class
 from jaxpi.models.quantized import QuantizedWeight, QuantParam
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM, layer_plan
 from jaxpi.quant import check_base_quant
@@ -122,7 +123,7 @@ def abstract_model(cfg: QwenConfig, dtype: Any, base_quant: str = "none") -> Qwe
     """The model of `cfg` with abstract arrays (`nnx.eval_shape`), its base quantized as `base_quant`."""
     dtype = jnp.dtype(dtype)
     return nnx.eval_shape(
-        lambda: quantize_structure(Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
+        lambda: quantize_structure(model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
     )
 
 

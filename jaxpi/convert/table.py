@@ -1,4 +1,8 @@
-"""The one declarative table between HF Qwen3.5 tensor names and jaxpi parameters.
+"""The one declarative table between HF tensor names (Qwen3.5, Qwen3) and jaxpi parameters.
+
+Both families name their tensors alike (`model.layers.N.self_attn.q_proj.weight`, ...); the
+rules follow the config's data: each layer's type, whether q_proj carries the output gate, the
+sizes. A Qwen3 config has full-attention layers only, so its table has no DeltaNet rule.
 
 Each `Rule` maps one HF tensor to one or more of our parameters with a transform:
 
@@ -182,7 +186,8 @@ def linear_part_shapes(cfg: QwenConfig, layer_type: str) -> dict[str, tuple[tupl
     if layer_type == FULL:
         hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         mixer = {
-            "q_proj": ((d, hq, 2 * hd),),  # the query and its output gate
+            # the query and its output gate (Qwen3.5), the query alone (Qwen3)
+            "q_proj": ((d, hq, 2 * hd if cfg.attn_output_gate else hd),),
             "k_proj": ((d, hkv, hd),),
             "v_proj": ((d, hkv, hd),),
             "o_proj": ((hq, hd, d),),

@@ -1,5 +1,8 @@
-"""Tiny random Qwen3.5 checkpoints built by `transformers` itself: `jaxpi tiny-checkpoint`, the
-SFT trainer's `tiny-random` base, the demo, the benchmarks and the tests.
+"""Tiny random checkpoints built by `transformers` itself: `jaxpi tiny-checkpoint`, the SFT
+trainer's `tiny-random` base, the demo, the benchmarks and the tests.
+
+Each family's CausalLM comes from its own `transformers` classes (`HF_CLASSES`) and its tiny
+config (`TINY_CONFIGS`): Qwen3.5 (`Qwen3_5ForCausalLM`) and Qwen3 dense (`Qwen3ForCausalLM`).
 
 Every parameter is randomised, norms included: with HF's initial values (zero-centred norms at 0,
 the gated norm at 1) a backward bug that drops or doubles the norm weight would be invisible.
@@ -16,17 +19,37 @@ from typing import Any
 
 import numpy as np
 
-from jaxpi.config import TINY, QwenConfig
+from jaxpi.config import QWEN3_TINY, TINY, QwenConfig
 from jaxpi.convert.safetensors_io import CODES, PlannedTensor, read_index, read_raw, write_file
 from jaxpi.convert.table import mtp_shapes
 from jaxpi.data.tiny_tokenizer import ASSETS, VOCAB_SIZE
 
+# Each family's `transformers` text config and CausalLM classes (by name: imported when a
+# checkpoint is built), and its tiny config.
+HF_CLASSES: dict[str, tuple[str, str]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+TINY_CONFIGS: dict[str, QwenConfig] = {"qwen3_5": TINY, "qwen3": QWEN3_TINY}
+
+
+def tiny_config(family: str) -> QwenConfig:
+    """The tiny config of a family (a key of `jaxpi.config.FAMILIES`)."""
+    try:
+        return TINY_CONFIGS[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(TINY_CONFIGS)}") from None
+
+
+def _hf_class(cfg: QwenConfig, which: int) -> Any:
+    import transformers
+
+    return getattr(transformers, HF_CLASSES[cfg.family][which])
+
 
 def hf_text_config(cfg: QwenConfig, dtype: str = "float32") -> Any:
-    """The `transformers` `Qwen3_5TextConfig` for `cfg` (eager attention, fp32 unless asked)."""
-    from transformers import Qwen3_5TextConfig
-
-    hf = Qwen3_5TextConfig(
+    """The family's `transformers` text config for `cfg` (eager attention, fp32 unless asked)."""
+    hf = _hf_class(cfg, 0)(
         **{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
     )
     hf._attn_implementation = "eager"
@@ -34,8 +57,9 @@ def hf_text_config(cfg: QwenConfig, dtype: str = "float32") -> Any:
     return hf
 
 
-def randomize_(model: Any, seed: int, std: float = 0.05) -> None:
-    """Fill every parameter of a torch model with seeded noise (A_log, dt_bias and norms included)."""
+def randomize_(model: Any, seed: int, std: float = 0.05, norm_center: float = 0.0) -> None:
+    """Fill every parameter of a torch model with seeded noise (A_log, dt_bias and norms included);
+    norms about `norm_center` (0 for zero-centred norms, 1 for plain ones)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -49,7 +73,7 @@ def randomize_(model: Any, seed: int, std: float = 0.05) -> None:
             elif name.endswith("linear_attn.norm.weight"):
                 p.copy_(1.0 + 0.2 * noise)
             elif "norm" in name:
-                p.copy_(0.2 * noise)
+                p.copy_(norm_center + 0.2 * noise)
             elif name.endswith("conv1d.weight"):
                 p.copy_(0.3 * noise)
             else:
@@ -57,13 +81,12 @@ def randomize_(model: Any, seed: int, std: float = 0.05) -> None:
 
 
 def make_causal_lm(cfg: QwenConfig = TINY, seed: int = 0, dtype: str = "float32") -> Any:
-    """A random `Qwen3_5ForCausalLM` (torch, eval mode)."""
+    """A random CausalLM of `cfg`'s family (torch, eval mode)."""
     import torch
-    from transformers import Qwen3_5ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(hf_text_config(cfg, dtype)).to(getattr(torch, dtype)).eval()
-    randomize_(model, seed)
+    model = _hf_class(cfg, 1)(hf_text_config(cfg, dtype)).to(getattr(torch, dtype)).eval()
+    randomize_(model, seed, norm_center=1.0 - cfg.norm_offset)
     return model
 
 
@@ -95,6 +118,8 @@ def make_checkpoint(
         return out
     if kind != "conditional":
         raise ValueError(f"kind must be 'causal' or 'conditional', not {kind!r}")
+    if cfg.family != "qwen3_5":
+        raise ValueError(f"kind 'conditional' is a Qwen3.5 checkpoint; family {cfg.family!r} has none")
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = {k: v for k, v in cfg.to_hf().items() if k != "architectures"}

@@ -6,6 +6,8 @@ Two norms live in Qwen3.5:
 
       r  = rsqrt(mean_d(x_d²) + eps)          x̂ = x · r          y = x̂ · (1 + w)
 
+  (Qwen3's plain RMSNorm is the same with offset 0: y = x̂ · w);
+
 - gated RMSNorm (the Gated DeltaNet output norm; plain weight, initialised to 1):
 
       y = w · x̂ · silu(z)
@@ -54,29 +56,29 @@ def _sum_rows(a: jax.Array) -> jax.Array:
 # ---- zero-centred RMSNorm ----------------------------------------------------------------------
 
 
-def _rms_fwd_math(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def _rms_fwd_math(x: jax.Array, w: jax.Array, eps: float, offset: float = 1.0) -> jax.Array:
     x32 = upcast(x)
-    y = x32 * _rsqrt_ms(x32, eps) * (1.0 + upcast(w))
+    y = x32 * _rsqrt_ms(x32, eps) * (offset + upcast(w))
     return y.astype(x.dtype)
 
 
 def _make_rms_norm(bug: str | None):
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-    def rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-        return _rms_fwd_math(x, w, eps)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+    def rms(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
+        return _rms_fwd_math(x, w, eps, offset)
 
-    def fwd(x, w, eps):
-        return _rms_fwd_math(x, w, eps), (x, w)
+    def fwd(x, w, eps, offset):
+        return _rms_fwd_math(x, w, eps, offset), (x, w)
 
-    def bwd(eps, res, dy):
+    def bwd(eps, offset, res, dy):
         x, w = res
         x32, dy32, w32 = upcast(x), upcast(dy), upcast(w)
         r = _rsqrt_ms(x32, eps)
         xh = x32 * r
-        scale = w32 if bug == "rmsnorm-dx-no-offset" else 1.0 + w32
+        scale = w32 if bug == "rmsnorm-dx-no-offset" else offset + w32
         g = dy32 * scale
         if bug == "rmsnorm-dx-double-weight":
-            dx = r * (g - xh * jnp.mean(g * (1.0 + w32) * xh, axis=-1, keepdims=True))
+            dx = r * (g - xh * jnp.mean(g * (offset + w32) * xh, axis=-1, keepdims=True))
         else:
             dx = r * (g - xh * jnp.mean(g * xh, axis=-1, keepdims=True))
         dw = _sum_rows(dy32 * xh)
@@ -131,8 +133,10 @@ def rms_norm(
     *,
     impl: str = "jax",
     axes: Sequence[str | None] | None = None,
+    offset: float = 1.0,
 ) -> jax.Array:
     """Zero-centred RMSNorm over the last axis: `x̂ · (1 + w)`; x `[..., D]`, weight `[D]`.
+    `offset` 0.0 gives the plain RMSNorm `x̂ · w` (Qwen3).
 
     impl: "jax" (these custom_vjp functions: the reference and the CPU path) or "pallas" (the same
     math as Pallas kernels, `jaxpi.kernels.pallas.norms`: compiled on GPU/TPU, interpreted on CPU).
@@ -141,11 +145,15 @@ def rms_norm(
     splits); the plain path needs none (XLA partitions it).
     """
     if impl == "jax":
-        return _RMS.get(active(), _RMS[None])(x, weight, eps)
+        return _RMS.get(active(), _RMS[None])(x, weight, eps, float(offset))
     if impl == "pallas":
         # imported here: the Pallas kernels are only traced when asked for
         from jaxpi.kernels.pallas.norms import pallas_rms_norm
 
+        # the kernel is zero-centred: x̂ · (offset + w) = x̂ · (1 + (w + offset - 1)), the same
+        # gradient for w; shifted in float32, where a 16-bit weight's shift is exact
+        if offset != 1.0:
+            weight = upcast(weight) + (offset - 1.0)
         return pallas_rms_norm(x, weight, eps, axes=axes)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
@@ -172,9 +180,9 @@ def gated_rms_norm(
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6, offset: float = 1.0) -> jax.Array:
     """The same function left to autodiff (the kernels' test oracle)."""
-    return _rms_fwd_math(x, weight, eps)
+    return _rms_fwd_math(x, weight, eps, offset)
 
 
 def gated_rms_norm_reference(

@@ -1,4 +1,4 @@
-"""Qwen3.5 blocks in Flax NNX: gated attention, Gated DeltaNet, SwiGLU MLP, decoder layer.
+"""Qwen3.5 and Qwen3 blocks in Flax NNX: (gated) attention, Gated DeltaNet, SwiGLU MLP, decoder layer.
 
 Each parameter is declared once (shape, logical axes, initializer); the math lives in the kernels.
 Projections are stored input-major (`[D, heads, head_dim]`), so the HF `[out, in]` matrices are
@@ -27,7 +27,7 @@ from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.adapters import adapter_for
-from jaxpi.models.params import constant, constrain, log_uniform, normal, param
+from jaxpi.models.params import Init, constant, constrain, log_uniform, normal, param
 from jaxpi.models.quantized import QuantizedWeight, base_einsum
 
 # Logical axes of the activations the norms see (the Pallas norms' shard_map reads them under a mesh).
@@ -175,24 +175,33 @@ class MLP(nnx.Module):
         return project(self, "down_proj", hidden, "btf,fd->btd", **kw)
 
 
+def norm_init(cfg: QwenConfig) -> Init:
+    """An RMSNorm weight's identity: 0 for zero-centred norms (`1 + w`), 1 for plain ones (`w`)."""
+    return constant(1.0 - cfg.norm_offset)
+
+
 class GatedAttention(nnx.Module):
-    """Full attention with a per-head output gate, q/k RMSNorm and partial RoPE.
+    """Full attention with q/k RMSNorm, RoPE and (`cfg.attn_output_gate`) a per-head output gate.
 
     [q | gate] = x·Wq            q, gate: [B, T, Hq, d]   (HF interleaves them per head)
     q, k       = rope(norm(q)), rope(norm(x·Wk))          (rope on the first rotary_dim dims)
-    o          = attn(q, k, x·Wv) ⊙ sigmoid(gate)
+    o          = attn(q, k, x·Wv) ⊙ sigmoid(gate)         (no gate: o = attn(q, k, x·Wv))
     y          = o·Wo
+
+    Qwen3.5: gated, partial rotary, zero-centred norms; Qwen3: no gate, rotary over the whole
+    head, plain norms.
     """
 
     def __init__(self, cfg: QwenConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = param(rngs, (d, hq, 2 * hd), ("embed", "q_heads", "head_dim"), normal(), dtype)
+        q_dim = 2 * hd if cfg.attn_output_gate else hd
+        self.q_proj = param(rngs, (d, hq, q_dim), ("embed", "q_heads", "head_dim"), normal(), dtype)
         self.k_proj = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"), normal(), dtype)
         self.v_proj = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"), normal(), dtype)
         self.o_proj = param(rngs, (hq, hd, d), ("q_heads", "head_dim", "embed"), normal(), dtype)
-        self.q_norm = param(rngs, (hd,), ("head_dim",), constant(0.0), dtype)
-        self.k_norm = param(rngs, (hd,), ("head_dim",), constant(0.0), dtype)
+        self.q_norm = param(rngs, (hd,), ("head_dim",), norm_init(cfg), dtype)
+        self.k_norm = param(rngs, (hd,), ("head_dim",), norm_init(cfg), dtype)
 
     def __call__(
         self,
@@ -209,12 +218,13 @@ class GatedAttention(nnx.Module):
         cfg, hd = self.cfg, self.cfg.head_dim
         kw = {"dropout_key": dropout_key, "inference": cache is not None}
         with jax.named_scope("qkv"):
-            qg = project(self, "q_proj", x, "btd,dhk->bthk", **kw)  # [B, T, Hq, 2d]
+            qg = project(self, "q_proj", x, "btd,dhk->bthk", **kw)  # [B, T, Hq, 2d] (gated) or [.., d]
             q, gate = qg[..., :hd], qg[..., hd:]
             k = project(self, "k_proj", x, "btd,dhk->bthk", **kw)
             v = project(self, "v_proj", x, "btd,dhk->bthk", **kw)
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=Q_AXES)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=KV_AXES)
+            norm = {"impl": cfg.norm_impl, "offset": cfg.norm_offset}
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, axes=Q_AXES, **norm)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, axes=KV_AXES, **norm)
             q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
             q = constrain(q, Q_AXES)
             k = constrain(k, KV_AXES)
@@ -255,7 +265,8 @@ class GatedAttention(nnx.Module):
                 probs_dtype=q.dtype,
             ).astype(q.dtype)
             new_cache = {"k": ck, "v": cv}
-        o = o * jax.nn.sigmoid(gate)
+        if cfg.attn_output_gate:
+            o = o * jax.nn.sigmoid(gate)
         return project(self, "o_proj", o, "bthk,hkd->btd", n_in=2, **kw), new_cache
 
 
@@ -374,10 +385,10 @@ class DecoderLayer(nnx.Module):
         d = cfg.hidden_size
         self.cfg = cfg
         self.layer_type = layer_type
-        self.input_norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        self.input_norm = param(rngs, (d,), ("embed",), norm_init(cfg), dtype)
         mixer = GatedAttention if layer_type == FULL else GatedDeltaNet
         self.mixer = mixer(cfg, dtype=dtype, rngs=rngs)
-        self.post_norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        self.post_norm = param(rngs, (d,), ("embed",), norm_init(cfg), dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(
@@ -386,13 +397,13 @@ class DecoderLayer(nnx.Module):
         """`dropout_key` (this layer's) drives LoRA dropout; mixer and MLP modules have distinct
         names, so one key gives each module its own mask."""
         eps, act = self.cfg.rms_norm_eps, RESID_AXES
-        impl = self.cfg.norm_impl
+        norm = {"impl": self.cfg.norm_impl, "offset": self.cfg.norm_offset, "axes": RESID_AXES}
         with jax.named_scope("mixer"):
-            normed = rms_norm(h, self.input_norm[...], eps, impl=impl, axes=RESID_AXES)
+            normed = rms_norm(h, self.input_norm[...], eps, **norm)
             y, cache = self.mixer(normed, dropout_key=dropout_key, **kw)
             h = constrain(h + y, act)
         with jax.named_scope("mlp"):
-            normed = rms_norm(h, self.post_norm[...], eps, impl=impl, axes=RESID_AXES)
+            normed = rms_norm(h, self.post_norm[...], eps, **norm)
             inference = kw.get("cache") is not None  # a forward on a decode cache
             h = constrain(h + self.mlp(normed, dropout_key=dropout_key, inference=inference), act)
         # named for the "mlp_out" remat policy: the next layer of a remat'd group starts from it

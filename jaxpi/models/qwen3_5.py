@@ -24,8 +24,8 @@ from jaxpi.config import QwenConfig
 from jaxpi.kernels.attention import rope_tables
 from jaxpi.kernels.dense import dense
 from jaxpi.kernels.norms import rms_norm
-from jaxpi.models.layers import DecoderLayer, init_layer_cache
-from jaxpi.models.params import constant, constrain, normal, param
+from jaxpi.models.layers import DecoderLayer, init_layer_cache, norm_init
+from jaxpi.models.params import constrain, normal, param
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -124,7 +124,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
         else:
             self.groups = None
         self.tail = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types[p * g :]])
-        self.norm = param(rngs, (d,), ("embed",), constant(0.0), dtype)
+        self.norm = param(rngs, (d,), ("embed",), norm_init(cfg), dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), normal(), dtype)
         )
@@ -225,7 +225,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
             tail_cache.append(c)
         if new_cache is not None:
             new_cache["tail"] = tuple(tail_cache)
-        return rms_norm(h, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl), new_cache
+        return rms_norm(
+            h, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, offset=cfg.norm_offset
+        ), new_cache
 
     def _run_block(self, block: DecoderLayer, h: jax.Array, cache: dict | None, kw: dict) -> tuple:
         # Functional (split/merge) rather than nnx.remat: the block's variables may come from an

@@ -168,10 +168,11 @@ def _layer_bytes(setup: Setup, b: int) -> dict[str, _LayerBytes]:
     # Gated attention: q|gate [B, T, Hq, 2d], k and v [B, T, Hkv, d], o_proj [B, T, D] projected;
     # q, k normed and rotated; per score element of each query block the float32 softmax output
     # and the probabilities in the activation dtype; block outputs [B, T, Hq, d] and their gated
-    # copy; the layer input and its norm.
+    # copy; the layer input and its norm (Qwen3's attention has no gate: q alone, no gated copy).
     q = loc(("batch", "seq", "q_heads", "head_dim"), (b, t, hq, hd))
     kv = loc(("batch", "seq", "kv_heads", "head_dim"), (b, t, hkv, hd))
-    attn_proj = (2 * q + 2 * kv + resid) * act
+    qg = (2 if cfg.attn_output_gate else 1) * q
+    attn_proj = (qg + 2 * kv + resid) * act
     if cfg.attn_impl == "pallas":
         # Flash attention keeps no scores: the kernel saves the softmax's log-sum-exp [B, Hq, T]
         # in float32, and its inputs include k and v repeated to the query heads (GQA).
@@ -182,7 +183,7 @@ def _layer_bytes(setup: Setup, b: int) -> dict[str, _LayerBytes]:
         core = scores * (4 + act)
         # `dots` saves the float32 scores of every block (a batched dot) and the block outputs.
         attn_batched = scores * 4 + q * act
-    attn_total = attn_proj + (2 * q + kv + 2 * resid) * act + core
+    attn_total = attn_proj + (qg + kv + 2 * resid) * act + core
 
     # Gated DeltaNet: q, k [B, T, Hk, dk], v, z [B, T, Hv, dv], a, b [B, T, Hv] and out_proj
     # projected; the conv outputs and normalised q, k; the chunked delta rule's float32 products

@@ -22,6 +22,7 @@ from jaxpi import compile_cache
 from jaxpi.config import QwenConfig, preset
 from jaxpi.convert.quantize import quantize_structure
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+from jaxpi.models.families import model_class
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.plan.analytic import Setup, activation_estimate, collectives_estimate, degree, local_bytes
 from jaxpi.plan.flags import MEMORY_SCHEDULER_FLAG, PLANNER_COMPILE_OPTIONS, planner_xla_flags
@@ -41,7 +42,7 @@ from sharding.strategies import (
 def _build(
     cfg: QwenConfig, dtype: jnp.dtype, lora_rank: int | None, base_quant: str = "none"
 ) -> Qwen3_5ForCausalLM:
-    model = quantize_structure(Qwen3_5ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
+    model = quantize_structure(model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0)), base_quant)
     if lora_rank:
         add_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
     return model

@@ -19,7 +19,7 @@ DTYPES = ("bfloat16", "float32")
 class PlanConfig:
     """One `jaxpi plan` run (`jaxpi plan --help` lists every key with its flag)."""
 
-    model: str = "qwen3_5_27b"  # model preset (qwen3_5_27b, qwen3_5_9b, tiny)
+    model: str = "qwen3_5_27b"  # model preset (qwen3_5_27b, qwen3_5_9b, tiny, qwen3_8b, qwen3_tiny)
     mesh: str | None = None  # e.g. fsdp=64 or data=2,fsdp=4,tensor=2; None: the preset's
     dcn: str | None = None  # the part of each axis across slices/hosts, e.g. data=2
     preset: str | None = None  # configs/sharding/NAME.yaml (or a path): mesh, dcn, device memory, strategy

@@ -4,7 +4,7 @@
 `model.base` is an HF checkpoint directory or the name of a registered base. A named base is
 written into `<run dir>/base` once, from the run's seed (a temporary directory renamed into place,
 so a killed start never leaves a half-written base). "tiny-random" (the tiny Qwen3.5 written by
-transformers, `jaxpi.convert.tiny`) is built in; others are registered with `register_base`, or by
+transformers, `jaxpi.convert.tiny`) and "tiny-random-qwen3" (the tiny Qwen3 dense) are built in; others are registered with `register_base`, or by
 an installed package through the `jaxpi.bases` entry-point group (`name = "module:builder"`), so
 the trainers never import the experiments that define them. A builder is called as
 `builder(out_dir, request)` with a `BaseRequest` and returns the written directory.
@@ -13,13 +13,14 @@ the trainers never import the experiments that define them. A builder is called 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from jaxpi.atomic import atomic_dir
-from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, TINY, parse_attn_kernel, parse_gdn_kernel
+from jaxpi.config import ATTN_IMPLS, GDN_IMPLS, REMAT_POLICIES, parse_attn_kernel, parse_gdn_kernel
 
 TINY_RANDOM = "tiny-random"
 ENTRY_POINT_GROUP = "jaxpi.bases"
@@ -105,16 +106,20 @@ class BaseRequest:
 BaseBuilder = Callable[[Path, BaseRequest], Path]
 
 
-def _tiny_random(out_dir: Path, request: BaseRequest) -> Path:
-    from jaxpi.convert.tiny import make_checkpoint  # torch and transformers, when asked for
+def _tiny_random(out_dir: Path, request: BaseRequest, family: str = "qwen3_5") -> Path:
+    from jaxpi.convert.tiny import make_checkpoint, tiny_config  # torch and transformers, when asked for
 
-    model_cfg = TINY.replace(num_hidden_layers=request.layers)
+    model_cfg = tiny_config(family).replace(num_hidden_layers=request.layers)
     with atomic_dir(out_dir, overwrite=True) as tmp:
         make_checkpoint(tmp, model_cfg, seed=request.seed, tokenizer=True)  # the bundled tiny tokenizer
     return out_dir
 
 
-_BUILDERS: dict[str, BaseBuilder] = {TINY_RANDOM: _tiny_random}
+# "tiny-random" (Qwen3.5) and "tiny-random-qwen3" (the tiny Qwen3 dense)
+_BUILDERS: dict[str, BaseBuilder] = {
+    TINY_RANDOM: _tiny_random,
+    f"{TINY_RANDOM}-qwen3": functools.partial(_tiny_random, family="qwen3"),
+}
 
 
 def register_base(name: str, build: BaseBuilder) -> None:

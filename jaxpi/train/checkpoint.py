@@ -223,10 +223,10 @@ def abstract_adapter(model_cfg: QwenConfig, lora_cfg: LoraConfig) -> nnx.State:
     """The adapter state's structure (shapes, float32, logical axes) for a model config, nothing
     allocated."""
     from jaxpi.lora import add_lora
-    from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
+    from jaxpi.models.families import model_class
 
-    def build() -> Qwen3_5ForCausalLM:
-        return add_lora(Qwen3_5ForCausalLM(model_cfg, rngs=nnx.Rngs(0)), lora_cfg, key=jax.random.key(0))
+    def build() -> Any:
+        return add_lora(model_class(model_cfg)(model_cfg, rngs=nnx.Rngs(0)), lora_cfg, key=jax.random.key(0))
 
     return nnx.state(nnx.eval_shape(build), LoRAParam)
 

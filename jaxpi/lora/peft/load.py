@@ -19,6 +19,7 @@ from jaxpi.lora.adapters import LoRAMask, LoRAParam, adapter_module, add_lora
 from jaxpi.lora.config import HF_BLOCK, TARGETS, LoraConfig, module_paths, select_modules
 from jaxpi.lora.peft.names import CAUSAL_PREFIX, CONFIG_NAME, KEY, WEIGHTS_NAME, peft_key, read_json
 from jaxpi.models.adapters import a_name, b_name, parse_slot
+from jaxpi.models.families import model_class
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
@@ -149,7 +150,7 @@ def load_peft(
 def abstract_lora_model(cfg: QwenConfig, lora_cfg: LoraConfig) -> Qwen3_5ForCausalLM:
     """A model whose base weights are abstract (nothing allocated) and whose adapters are zeros:
     enough to hold, move and export an adapter without the base."""
-    model = nnx.eval_shape(lambda: add_lora(Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0)), lora_cfg))
+    model = nnx.eval_shape(lambda: add_lora(model_class(cfg)(cfg, rngs=nnx.Rngs(0)), lora_cfg))
     for _, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
         var.set_value(jnp.zeros(var.get_value().shape, jnp.float32))
     _materialize_masks(model, cfg, lora_cfg)
