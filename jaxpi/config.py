@@ -271,10 +271,19 @@ def _qwen3_5_from_hf(raw: dict[str, Any]) -> QwenConfig:
     factor = (rope and rope.partial_rotary_factor) or text.partial_rotary_factor or 0.25
     kwargs["rope_theta"], kwargs["partial_rotary_factor"] = float(theta), float(factor)
     kwargs["tie_word_embeddings"] = tie
-    if text.pad_token_id is not None:  # a negative id counts from the end, as nn.Embedding's
-        kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
+    return _build(kwargs, text.pad_token_id, body, _KNOWN)
+
+
+def _build(
+    kwargs: dict[str, Any], pad_token_id: int | None, body: dict[str, Any], known: set[str]
+) -> QwenConfig:
+    """QwenConfig from a family's fields: the pad id (a negative id counts from the end, as
+    nn.Embedding's), the config.json keys neither read (`known`) nor re-derived carried as extras,
+    a refused value an `HFConfigError`."""
+    if pad_token_id is not None:
+        kwargs["pad_token_id"] = pad_token_id % kwargs["vocab_size"]
     kwargs["hf_extra"] = tuple(
-        sorted((k, _freeze(v)) for k, v in body.items() if k not in _KNOWN and k not in _DERIVED)
+        sorted((k, _freeze(v)) for k, v in body.items() if k not in known and k not in _DERIVED)
     )
     try:
         return QwenConfig(**kwargs)
@@ -403,15 +412,7 @@ def _qwen3_from_hf(raw: dict[str, Any]) -> QwenConfig:
     )
     if text.max_position_embeddings is not None:
         kwargs["max_position_embeddings"] = text.max_position_embeddings
-    if text.pad_token_id is not None:
-        kwargs["pad_token_id"] = text.pad_token_id % text.vocab_size
-    kwargs["hf_extra"] = tuple(
-        sorted((k, _freeze(v)) for k, v in raw.items() if k not in _QWEN3_KNOWN and k not in _DERIVED)
-    )
-    try:
-        return QwenConfig(**kwargs)
-    except ValueError as e:
-        raise HFConfigError(str(e)) from None
+    return _build(kwargs, text.pad_token_id, raw, _QWEN3_KNOWN)
 
 
 def _qwen3_to_hf(cfg: QwenConfig) -> dict[str, Any]:

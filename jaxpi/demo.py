@@ -23,6 +23,7 @@ export and its reload (the FP8/GGUF deploy and the toy GRPO study are Qwen3.5's)
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import tempfile
 import warnings
@@ -118,6 +119,10 @@ def _hf_class(base: Path) -> Any:
 def run_reload(root: Path, say: Any) -> dict[str, Any]:
     """The exported adapter in peft vs jaxpi on one held-out demo session (first 256 tokens)."""
     import torch  # torch, transformers and peft only for this stage
+
+    # peft imports bitsandbytes, whose CPU backend logs a warning about an optional kernels package
+    # on import; nothing here is quantized
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from peft import PeftModel
 
     _, _, meta = load_adapter(root / "sft")
