@@ -346,7 +346,9 @@ class GatedDeltaNet(nnx.Module):
         state = None if cache is None else cache["state"]
         with jax.named_scope("delta_rule"):
             if cache is not None and t == 1:
-                o, new_state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o, new_state = gated_delta_step(
+                    q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, active=active
+                )
                 o = o[:, None]
             else:
                 o, new_state = chunk_gated_delta_rule(
@@ -370,10 +372,12 @@ class GatedDeltaNet(nnx.Module):
         new_cache = None
         if cache is not None:
             new_cache = {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
-            if active is not None:  # rows outside `active` keep theirs
-                new_cache = {
-                    k: jnp.where(active.reshape(-1, *[1] * (v.ndim - 1)), v, cache[k])
-                    for k, v in new_cache.items()
+            # rows outside `active` keep theirs; the one-token step keeps their state itself
+            masked = ("conv",) if t == 1 else ("conv", "state")
+            if active is not None:
+                new_cache |= {
+                    k: jnp.where(active.reshape(-1, *[1] * (new_cache[k].ndim - 1)), new_cache[k], cache[k])
+                    for k in masked
                 }
         return y, new_cache
 
