@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -170,6 +172,48 @@ def test_chunked_matches_recurrent_and_steps():
         outs.append(out)
     np.testing.assert_allclose(np.stack(outs, axis=1), out_r, rtol=0, atol=1e-6)
     np.testing.assert_allclose(state, state_r, rtol=0, atol=1e-6)
+
+
+def step_as_written(q, k, v, g, beta, s0):
+    """One token of the gated delta rule in float64, the module docstring's equations in order."""
+    q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * q.shape[-1] ** -0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    group = v.shape[-2] // k.shape[-2]
+    q, k = np.repeat(q, group, axis=-2), np.repeat(k, group, axis=-2)
+    s = np.exp(g)[..., None, None] * s
+    u = beta[..., None] * (v - np.einsum("bhkv,bhk->bhv", s, k))
+    s = s + np.einsum("bhk,bhv->bhkv", k, u)
+    return np.einsum("bhkv,bhk->bhv", s, q), s
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    batch=st.integers(1, 4),
+    k_heads=st.sampled_from([1, 2]),
+    group=st.integers(1, 3),
+    dk=st.sampled_from([4, 16, 32]),
+    dv=st.sampled_from([4, 16, 24]),
+    seed=st.integers(0, 99),
+    mask=st.integers(0, 15),
+)
+def test_step_follows_the_equations_and_keeps_inactive_rows(batch, k_heads, group, dk, dv, seed, mask):
+    """The two-pass step (`S_tᵀq = e^g Sᵀq + (kᵀq) u`) against the equations as written, and its
+    `active` mask: a row outside it keeps its state bit for bit, a row inside it steps as unmasked."""
+    *tokens, s0 = make_inputs(seed, batch, 1, k_heads, k_heads * group, dk, dv)
+    q, k, v, g, beta = (x[:, 0] for x in tokens)  # the one token
+    out, state = jax.jit(gated_delta_step)(q, k, v, g, beta, s0)
+    ref_out, ref_state = step_as_written(q, k, v, g, beta, s0)
+    assert_close(out, ref_out, 1e-5, "output")
+    assert_close(state, ref_state, 1e-5, "state")
+    active = np.asarray([(mask >> b) & 1 for b in range(batch)], bool)
+    out_m, state_m = jax.jit(gated_delta_step)(q, k, v, g, beta, s0, active=active)
+    for b in range(batch):
+        if active[b]:
+            np.testing.assert_allclose(state_m[b], state[b], rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(out_m[b], out[b], rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(state_m[b], s0[b])
 
 
 def test_chunked_grads_match_recurrent():

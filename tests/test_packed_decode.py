@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from jaxpi import TINY, load_hf
 from jaxpi.config import FULL, LINEAR
 from jaxpi.hf_fixtures import make_checkpoint
+from jaxpi.models.layers import RECURRENT_PREFILL_MAX
 from jaxpi.models.qwen3_5 import concat_cache_rows, layer_plan, segment_positions
 
 FWD = jax.jit(lambda m, x: m(x))
@@ -106,6 +107,19 @@ def test_decode_rows_with_different_lengths(model, ids):
     assert rel(logits[0, 0], FWD(model, ids[:1, :11])[0, -1]) < 1e-4
     assert rel(logits[1, 0], FWD(model, ids[1:, :21])[0, -1]) < 1e-4
     np.testing.assert_array_equal(cache["lengths"], [11, 21])
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(held=st.sampled_from([0, 7, 20]), t=st.sampled_from([2, 5, RECURRENT_PREFILL_MAX]))
+def test_a_short_prefill_continues_the_cache_as_the_full_forward(model, ids, held, t):
+    """A prefill chunk of at most `RECURRENT_PREFILL_MAX` tokens runs the DeltaNet rule token by
+    token from the state the cache holds; its logits are those of one uncached forward."""
+    cache = model.init_cache(batch=2, max_len=64)
+    if held:
+        _, cache = STEP(model, ids[:, :held], cache)
+    logits, cache = STEP(model, ids[:, held : held + t], cache)
+    assert rel(logits, FWD(model, ids[:, : held + t])[:, held:]) < 1e-4
+    np.testing.assert_array_equal(cache["lengths"], [held + t] * 2)
 
 
 def test_segments_and_cache_do_not_mix(model, ids):

@@ -38,11 +38,22 @@ from jaxpi.kernels.gdn_chunked import (
 def _delta_step(
     state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One token on prepared float32 inputs: state [B,H,K,V], q/k [B,H,K], v [B,H,V], g/beta [B,H]."""
-    state = state * jnp.exp(g)[..., None, None]
-    delta = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", state, k))
-    state = state + jnp.einsum("bhk,bhv->bhkv", k, delta)
-    return jnp.einsum("bhkv,bhk->bhv", state, q), state
+    """One token on prepared float32 inputs: state [B,H,K,V], q/k [B,H,K], v [B,H,V], g/beta [B,H].
+
+    Two passes over the state, where the equations as written take four or more: one read for both
+    Sᵀk and Sᵀq, then one read and one write for the update, since the output needs no S_t:
+
+        S_tᵀ q = e^g Sᵀq + (kᵀq) u,   u = β (v − e^g Sᵀk)
+    """
+    decay = jnp.exp(g)[..., None]  # [B, H, 1]
+    with jax.named_scope("state_reads"):
+        kq = jnp.stack([k, q], axis=-2)  # [B, H, 2, K]
+        sk, sq = jnp.moveaxis(jnp.einsum("bhkv,bhjk->bhjv", state, kq), -2, 0)  # 2 × [B, H, V]
+    delta = beta[..., None] * (v - decay * sk)
+    out = decay * sq + jnp.sum(k * q, axis=-1, keepdims=True) * delta
+    with jax.named_scope("state_update"):
+        state = decay[..., None] * state + k[..., :, None] * delta[..., None, :]
+    return out, state
 
 
 def gated_delta_step(
@@ -54,13 +65,18 @@ def gated_delta_step(
     state: jax.Array,
     *,
     use_qk_l2norm: bool = True,
+    active: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One decode token: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv].
 
+    active [B] bool or None: a row outside it keeps its state, exactly (g = 0 and β = 0 make the
+    update 1·S + k·0), so the caller needs no select over the whole state afterwards.
     Returns (output [B, Hv, Dv] in v's dtype, new state float32).
     """
     q, k = _prepare_qk(q, k, v.shape[-2], use_qk_l2norm)
     v32, g32, beta32 = (upcast(x) for x in (v, g, beta))
+    if active is not None:
+        g32, beta32 = (jnp.where(active[:, None], x, 0.0) for x in (g32, beta32))
     out, state = _delta_step(state.astype(compute_dtype(state, v)), q, k, v32, g32, beta32)
     return out.astype(v.dtype), state
 

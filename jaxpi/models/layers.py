@@ -24,7 +24,7 @@ from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attent
 from jaxpi.kernels.conv import causal_conv1d
 from jaxpi.kernels.dense import dense
 from jaxpi.kernels.dtypes import upcast
-from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step
+from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
 from jaxpi.models.adapters import adapter_for
 from jaxpi.models.params import Init, constant, constrain, log_uniform, normal, param
@@ -35,6 +35,9 @@ RESID_AXES = ("batch", "seq", "embed")
 Q_AXES = ("batch", "seq", "q_heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 GDN_V_AXES = ("batch", "seq", "gdn_v_heads", "head_dim")
+# Prefill chunks of up to this many tokens run the gated delta rule token by token (decode caches
+# only; training always takes the chunked form).
+RECURRENT_PREFILL_MAX = 16
 
 Cache = dict[str, jax.Array]
 
@@ -346,8 +349,16 @@ class GatedDeltaNet(nnx.Module):
         state = None if cache is None else cache["state"]
         with jax.named_scope("delta_rule"):
             if cache is not None and t == 1:
-                o, new_state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o, new_state = gated_delta_step(
+                    q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, active=active
+                )
                 o = o[:, None]
+            elif cache is not None and t <= RECURRENT_PREFILL_MAX:
+                # A short prefill chunk token by token: the chunked rule would pad it to a whole
+                # chunk (64 tokens) of matmuls; t steps cost t passes of two over the state.
+                o, new_state = recurrent_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=state, segment_ids=segment_ids
+                )
             else:
                 o, new_state = chunk_gated_delta_rule(
                     q,
@@ -370,10 +381,12 @@ class GatedDeltaNet(nnx.Module):
         new_cache = None
         if cache is not None:
             new_cache = {"conv": new_conv.astype(cache["conv"].dtype), "state": new_state}
-            if active is not None:  # rows outside `active` keep theirs
-                new_cache = {
-                    k: jnp.where(active.reshape(-1, *[1] * (v.ndim - 1)), v, cache[k])
-                    for k, v in new_cache.items()
+            # rows outside `active` keep theirs; the one-token step keeps their state itself
+            masked = ("conv",) if t == 1 else ("conv", "state")
+            if active is not None:
+                new_cache |= {
+                    k: jnp.where(active.reshape(-1, *[1] * (new_cache[k].ndim - 1)), new_cache[k], cache[k])
+                    for k in masked
                 }
         return y, new_cache
 
