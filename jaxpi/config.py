@@ -363,7 +363,8 @@ _DERIVED = {
 
 # ---- Qwen3 dense (`Qwen3ForCausalLM`) ------------------------------------------------------------
 # config.json fields of Qwen3 read into our own, or re-derived (so not carried as extras)
-_QWEN3_KNOWN = {
+# the fields `_qwen3_to_hf` writes as they are in QwenConfig
+_QWEN3_FIELDS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -373,9 +374,12 @@ _QWEN3_KNOWN = {
     "head_dim",
     "rms_norm_eps",
     "max_position_embeddings",
+    "tie_word_embeddings",
     "hidden_act",
     "attention_bias",
-    "tie_word_embeddings",
+)
+_QWEN3_KNOWN = {
+    *_QWEN3_FIELDS,
     "model_type",
     "architectures",
     "pad_token_id",
@@ -418,24 +422,10 @@ def _qwen3_from_hf(raw: dict[str, Any]) -> QwenConfig:
 def _qwen3_to_hf(cfg: QwenConfig) -> dict[str, Any]:
     """The config as HF writes it for `Qwen3ForCausalLM` (model_type `qwen3`)."""
     extra = {k: _thaw(v) for k, v in cfg.hf_extra}
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-        "hidden_act",
-        "attention_bias",
-    )
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        **{k: getattr(cfg, k) for k in keys},
+        **{k: getattr(cfg, k) for k in _QWEN3_FIELDS},
         "use_sliding_window": False,
         **({} if cfg.pad_token_id is None else {"pad_token_id": cfg.pad_token_id}),
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},

@@ -221,6 +221,47 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
 
 
+def judge_all(
+    dtype: str,
+    ours: dict[str, np.ndarray],
+    logits_j: np.ndarray,
+    torch_run: tuple[np.ndarray, float, dict[str, np.ndarray]],
+    arbiter: tuple[np.ndarray, float, dict[str, np.ndarray]] | None,
+) -> dict[str, Any]:
+    """The report's judged fields (`logits`, `logits_max_abs`, `loss_reference`, `grads`, worst
+    first, `thresholds`) from jaxpi's gradients `ours` and logits, torch's run at `dtype`
+    (logits, loss, grads by HF name) and, for the fp64 reference, the float64 run that arbitrates;
+    without it each of ours is judged against torch's at `dtype` by `FP32_BARS`."""
+    logits_t, loss_t, grads_t = torch_run
+    if arbiter is not None:
+        logits_r, loss_r, grads_r = arbiter
+        bars = FP64_BARS[dtype]
+        whole = math.sqrt(sum(float(np.sum(np.square(grads_r[n]))) for n in ours))
+        errors = [judge(n, g, grads_r[n], grads_t[n], whole, bars) for n, g in ours.items()]
+        e_ours, e_torch = _rel(logits_j, logits_r), _rel(logits_t, logits_r)
+        ok = e_ours <= bars.ratio * e_torch or e_ours <= bars.rel_floor
+        logits = TensorError("logits", e_ours, e_torch, None, bool(ok and np.isfinite(e_ours)), "")
+        thresholds = dataclasses.asdict(bars)
+        errors.sort(key=lambda e: (e.passed, -(e.ratio or 0.0)))
+    else:
+        logits_r, loss_r, bar = logits_t, loss_t, FP32_BARS[dtype]
+        errors = []
+        for n, g in ours.items():
+            e = _rel(g, grads_t[n])
+            errors.append(TensorError(n, e, None, None, bool(e <= bar["grad_rel"]), ""))
+        e = _rel(logits_j, logits_t)
+        logits = TensorError("logits", e, None, None, bool(e <= bar["logits_rel"]), "")
+        thresholds = dict(bar)
+        errors.sort(key=lambda e: (e.passed, -e.ours))
+    return {
+        "logits": logits,
+        "logits_max_abs": float(np.abs(logits_j - logits_r).max()),
+        "loss_reference": loss_r,
+        "grads": errors,
+        "thresholds": thresholds,
+    }
+
+
 def judge(
     name: str, ours: np.ndarray, ref: np.ndarray, torch: np.ndarray, whole: float, bars: Bars
 ) -> TensorError:
@@ -381,26 +422,8 @@ def run_parity(
             raise KeyError(f"transformers has no gradient for {rule.hf!r}")
         ours[rule.hf] = rule.to_hf(parts)
 
-    if reference == "fp64":
-        logits_r, loss_r, grads_r = reference_grads(hf_dir, ids, "float64", segment_ids)
-        bars = FP64_BARS[dtype]
-        whole = math.sqrt(sum(float(np.sum(np.square(grads_r[n]))) for n in ours))
-        errors = [judge(n, g, grads_r[n], grads_t[n], whole, bars) for n, g in ours.items()]
-        e_ours, e_torch = _rel(logits_j, logits_r), _rel(logits_t, logits_r)
-        ok = e_ours <= bars.ratio * e_torch or e_ours <= bars.rel_floor
-        logits = TensorError("logits", e_ours, e_torch, None, bool(ok and np.isfinite(e_ours)), "")
-        thresholds = dataclasses.asdict(bars)
-    else:
-        loss_r, bar = loss_t, FP32_BARS[dtype]
-        errors = []
-        for n, g in ours.items():
-            e = _rel(g, grads_t[n])
-            errors.append(TensorError(n, e, None, None, bool(e <= bar["grad_rel"]), ""))
-        e = _rel(logits_j, logits_t)
-        logits = TensorError("logits", e, None, None, bool(e <= bar["logits_rel"]), "")
-        thresholds = dict(bar)
-        logits_r = logits_t
-    errors.sort(key=lambda e: (e.passed, -(e.ratio or 0.0) if reference == "fp64" else -e.ours))
+    arbiter = reference_grads(hf_dir, ids, "float64", segment_ids) if reference == "fp64" else None
+    judged = judge_all(dtype, ours, logits_j, (logits_t, loss_t, grads_t), arbiter)
     return ParityReport(
         hf_dir=str(hf_dir),
         dtype=dtype,
@@ -409,13 +432,9 @@ def run_parity(
         seq_len=seq_len,
         segments=max(segments, 1),
         inject=inject,
-        logits=logits,
-        logits_max_abs=float(np.abs(logits_j - logits_r).max()),
         loss_jax=loss_j,
         loss_torch=loss_t,
-        loss_reference=loss_r,
-        grads=errors,
-        thresholds=thresholds,
+        **judged,
         note=note,
         seconds=time.perf_counter() - start,
     )

@@ -15,8 +15,6 @@ gradient on either side. docs/qlora.md has the measured bounds.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -34,14 +32,10 @@ from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.lora.peft import adapter_tensors, base_prefix, save_peft
 from jaxpi.parity import (
     DTYPES,
-    FP32_BARS,
-    FP64_BARS,
     ParityReport,
-    TensorError,
-    _rel,
     choose_reference,
     jax_reference,
-    judge,
+    judge_all,
     random_segments,
 )
 from jaxpi.quant import int8, nf4
@@ -196,24 +190,8 @@ def run_qlora_parity(
             logits_r, loss_r, grads_r = run_reference(arbiter, ids, "float64", segment_ids)
             grads_r = _peft_grads(grads_r)
             del arbiter
-    if reference == "fp64":
-        bars = FP64_BARS[dtype]
-        whole = math.sqrt(sum(float(np.sum(np.square(grads_r[n]))) for n in ours))
-        errors = [judge(n, g, grads_r[n], grads_t[n], whole, bars) for n, g in ours.items()]
-        e_ours, e_torch = _rel(logits_j, logits_r), _rel(logits_t, logits_r)
-        ok = e_ours <= bars.ratio * e_torch or e_ours <= bars.rel_floor
-        logits = TensorError("logits", e_ours, e_torch, None, bool(ok and np.isfinite(e_ours)), "")
-        thresholds = dataclasses.asdict(bars)
-    else:
-        loss_r, bar, logits_r = loss_t, FP32_BARS[dtype], logits_t
-        errors = []
-        for n, g in ours.items():
-            e = _rel(g, grads_t[n])
-            errors.append(TensorError(n, e, None, None, bool(e <= bar["grad_rel"]), ""))
-        e = _rel(logits_j, logits_t)
-        logits = TensorError("logits", e, None, None, bool(e <= bar["logits_rel"]), "")
-        thresholds = dict(bar)
-    errors.sort(key=lambda e: (e.passed, -(e.ratio or 0.0) if reference == "fp64" else -e.ours))
+    fp64 = (logits_r, loss_r, grads_r) if reference == "fp64" else None
+    judged = judge_all(dtype, ours, logits_j, (logits_t, loss_t, grads_t), fp64)
     return ParityReport(
         hf_dir=str(hf_dir),
         dtype=dtype,
@@ -222,13 +200,9 @@ def run_qlora_parity(
         seq_len=seq_len,
         segments=max(segments, 1),
         inject=inject,
-        logits=logits,
-        logits_max_abs=float(np.abs(logits_j - logits_r).max()),
         loss_jax=loss_j,
         loss_torch=loss_t,
-        loss_reference=loss_r,
-        grads=errors,
-        thresholds=thresholds,
+        **judged,
         note=note,
         seconds=time.perf_counter() - start,
         base_quant=base_quant,
