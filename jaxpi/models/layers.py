@@ -35,9 +35,9 @@ RESID_AXES = ("batch", "seq", "embed")
 Q_AXES = ("batch", "seq", "q_heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 GDN_V_AXES = ("batch", "seq", "gdn_v_heads", "head_dim")
-# Prefill chunks of up to this many tokens run the gated delta rule token by token (decode caches
-# only; training always takes the chunked form).
-RECURRENT_PREFILL_MAX = 16
+# Prefill chunks of up to this many tokens (the engine's 32, 4 and 1) run the gated delta rule
+# token by token (decode caches only; training always takes the chunked form).
+RECURRENT_PREFILL_MAX = 32
 
 Cache = dict[str, jax.Array]
 
