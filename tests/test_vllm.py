@@ -225,6 +225,7 @@ def test_bench_decode_against_vllm(server, model_dir, capsys):
     assert cli.main([*argv, "--repeats", "2", "--warmup", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["results"]["decode"]
     assert d["vs"] == "vllm" and d["checkpoint"] == str(model_dir) and d["vllm"]["started_here"] is False
+    assert d["vllm"]["paused_during_jaxpi"] is False  # a server given by URL is not ours to stop
     assert d["model"]["num_hidden_layers"] == 4 and d["model"]["dtype"] == "bfloat16"
     for b, v in d["batches"].items():
         for name in ("jaxpi", "vllm"):
@@ -242,6 +243,32 @@ def test_bench_decode_against_vllm(server, model_dir, capsys):
         assert g["rows"] == int(b) and g["mean_common_prefix"] >= 1
     with pytest.raises(ValueError, match="bfloat16"):
         DecodeRunConfig(vs="vllm", dtype="float32")
+
+
+def test_bench_decode_pauses_the_vllm_server_during_jaxpi_turns(server, model_dir):
+    """Every process of vLLM's server is stopped (state T) while jaxpi's turn is measured and
+    runs again for its own: both engines generate every repeat, and the server answers after."""
+    from jaxpi.bench.config import BenchConfig
+    from jaxpi.bench.decode import Pauser, _one_batch
+    from jaxpi.bench.decode import group_states as _states
+
+    model = load_hf(model_dir, "bfloat16")[1]
+    veng = VLLMEngine(VLLMEngineConfig(url=server.url, max_len=16, batch_size=2, concurrency=2))
+    pauser, seen = Pauser(server.pid), []
+
+    def probe() -> float:
+        seen.append(_states(server.pid))
+        return 1e9
+
+    try:
+        bench = BenchConfig("tiny", model.cfg, seq=16, dtype="bfloat16", repeats=2, warmup=1)
+        res = _one_batch(model, veng, 2, 4, 3, 16, bench, probe, lambda _: None, pauser)
+    finally:
+        pauser.resume()
+        veng.shutdown()
+    assert len(seen) == 2 and all(s == {"T"} for s in seen), seen
+    assert res["jaxpi"]["generated_tokens"] == res["vllm"]["generated_tokens"] == 8
+    assert "T" not in _states(server.pid) and server.healthy()
 
 
 def test_server_command_without_lora(model_dir):

@@ -295,6 +295,10 @@ class DecodeRunConfig(BenchRunConfig):
     checkpoint: str | None = None
     # with vs vllm: a running vLLM server that serves `checkpoint`; None starts one on it
     vllm_url: str | None = None
+    # with vs vllm and a server started here: leave it running during jaxpi's turns. By default it
+    # is stopped (SIGSTOP) while jaxpi decodes and the bandwidth is probed: an idle vLLM server
+    # keeps a core busy, which a 2-core machine's jaxpi figures would otherwise pay for
+    keep_vllm_running: bool = False
 
     def _errors(self) -> list[str]:
         errors = _ints("batches", self.batches)

@@ -14,14 +14,20 @@ and written), and the fraction of the limit is
 
 with the copy bandwidth probed right before each jaxpi repeat, in the same process. With vLLM,
 both engines run on one bf16 checkpoint and the same prompts, their timed repeats alternating
-(jaxpi, vLLM, jaxpi, ...), so a pair of repeats runs under about the same load.
+(jaxpi, vLLM, jaxpi, ...), so a pair of repeats runs under about the same load. A vLLM server
+started here is stopped (SIGSTOP to its process group) during jaxpi's turns and the bandwidth
+probes, and continued (SIGCONT) for its own: its idle engine keeps a core busy, which on a
+2-core machine took about a third off jaxpi's batch-1 rate. A server given by URL keeps running
+(`paused` is false in the report).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +124,7 @@ def decode_bench(
     vs: str = "none",
     checkpoint: str | Path | None = None,
     vllm_url: str | None = None,
+    pause_vllm: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Tokens/s (generated tokens over `generate` time) and the bandwidth fraction per batch size;
@@ -128,6 +135,7 @@ def decode_bench(
     `vllm_url`: a running vLLM server that serves `checkpoint` (else one is started on it).
     `max_len`: the engine's cache length per row (vLLM's max model length); by default just
     enough for the prompt and the new tokens.
+    `pause_vllm`: stop a server started here during jaxpi's turns (see the module docstring).
     """
     say = progress or (lambda msg: None)
     if new_tokens < 1 or prompt_len < 1 or not batches or min(batches) < 1:
@@ -165,12 +173,15 @@ def decode_bench(
         out["bandwidth"] = copy_bandwidth(repeats=3)
         probe = bandwidth_probe()
         server = veng = None
+        pauser = Pauser(None)
         try:
             if vs == "vllm":
                 server, veng = _vllm(checkpoint, vllm_url, max_len, max(batches), say)
+                pauser = Pauser(server.pid if server is not None and pause_vllm else None)
                 out["vllm"] = {
                     "url": veng.cfg.url,
                     "started_here": server is not None,
+                    "paused_during_jaxpi": pauser.pgid is not None,
                     "version": VLLM_CPU_VERSION,
                 }
                 if server is not None:
@@ -178,15 +189,65 @@ def decode_bench(
             for b in batches:
                 say(f"decode at batch {b}")
                 out["batches"][str(b)] = _one_batch(
-                    model, veng, b, new_tokens, prompt_len, max_len, bench, probe, say
+                    model, veng, b, new_tokens, prompt_len, max_len, bench, probe, say, pauser
                 )
         finally:
+            pauser.resume()
             if veng is not None:
                 veng.shutdown()
             if server is not None:
                 server.stop()
     out["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return out
+
+
+def group_states(pgid: int) -> set[str]:
+    """The scheduler states (R, S, T, ...) of the processes in group `pgid`, from /proc (empty
+    where there is no /proc)."""
+    states = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            states.add(fields[0])
+    return states
+
+
+class Pauser:
+    """SIGSTOP / SIGCONT to a process group (a vLLM server started here), or nothing for None.
+    `pause` and `resume` are idempotent; `resume` runs before the server is stopped for good.
+    `pause` returns once every process of the group has stopped (a signal is delivered to a
+    process running on another core only when that core next enters the kernel), at most
+    `settle_s` later."""
+
+    def __init__(self, pgid: int | None, settle_s: float = 2.0) -> None:
+        self.pgid = pgid
+        self.paused = False
+        self.settle_s = settle_s
+
+    def _send(self, sig: int) -> None:
+        if self.pgid is not None:
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:  # the server died: its engine's next call says so
+                self.pgid = None
+
+    def pause(self) -> None:
+        if not self.paused:
+            self._send(signal.SIGSTOP)
+            self.paused = True
+            deadline = time.monotonic() + self.settle_s
+            while self.pgid is not None and group_states(self.pgid) - {"T", "t", "Z", "X"}:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+
+    def resume(self) -> None:
+        if self.paused:
+            self._send(signal.SIGCONT)
+            self.paused = False
 
 
 def _vllm(
@@ -223,8 +284,10 @@ def _one_batch(
     bench: BenchConfig,
     probe: Callable[[], float],
     say: Callable[[str], None],
+    pauser: Pauser,
 ) -> dict[str, Any]:
-    """One batch size: both engines warmed up, then their timed repeats alternating."""
+    """One batch size: both engines warmed up, then their timed repeats alternating (vLLM's
+    server paused through jaxpi's calls and the probes where `pauser` has one)."""
     rng = np.random.default_rng(bench.seed + b)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     prompts = rng.integers(0, model.cfg.vocab_size, (b, prompt_len)).tolist()
@@ -233,6 +296,7 @@ def _one_batch(
 
     def call(eng: Any, name: str) -> Callable[[], int]:
         def run() -> int:
+            (pauser.pause if name == "jaxpi" else pauser.resume)()
             done = eng.generate(prompts, params)
             outputs[name] = [c.token_ids for c in done]
             return sum(len(c.token_ids) for c in done)
@@ -246,6 +310,7 @@ def _one_batch(
 
     def before(name: str, _: int) -> None:
         if name == "jaxpi":
+            pauser.pause()
             adjacent.append(probe())
 
     times, first = interleaved(fns, warmup=bench.warmup, repeats=bench.repeats, before=before, progress=say)

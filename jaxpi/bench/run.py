@@ -160,6 +160,7 @@ def run(command: str, bench: BenchConfig, args: argparse.Namespace) -> dict[str,
             vs="vllm" if vs == "vllm" else "none",
             checkpoint=args.checkpoint,
             vllm_url=args.vllm_url,
+            pause_vllm=not args.keep_vllm_running,
             progress=say,
         )
     if command in ("compile", "all"):

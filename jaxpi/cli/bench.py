@@ -101,6 +101,12 @@ DECODE_FLAGS = (
     Flag("--max-len", "max_len", "the engine's cache length per row (default: prompt + new tokens + 1)"),
     Flag("--checkpoint", "checkpoint", "a HF checkpoint to decode (default: random bench weights)"),
     Flag("--vllm-url", "vllm_url", "with --vs vllm: a running server that serves --checkpoint"),
+    Flag(
+        "--keep-vllm-running",
+        "keep_vllm_running",
+        "with --vs vllm: leave the server started here running during jaxpi's turns "
+        "(default: stopped with SIGSTOP while jaxpi decodes; an idle vLLM server keeps a core busy)",
+    ),
 )
 PROFILE_FLAGS = (
     Flag("--steps", "steps", "traced steps (mode decode: traced generate calls), after the warm-up"),
