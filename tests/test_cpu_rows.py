@@ -1,6 +1,8 @@
 """The native CPU kernel for products of a few rows with a bf16 weight (`jaxpi.kernels.cpu.rows`)
-against float64, its use by `dense`, and the switch that turns it off."""
+against float64, its use by `dense`, the build that serves any x86-64 host, and the switch that
+turns it off."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ from hypothesis import strategies as st
 from jaxpi.kernels.cpu import rows
 from jaxpi.kernels.dense import NATIVE_ROWS, dense
 
-AVX512 = "avx512bw" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+CPUINFO = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+AVX512 = "avx512bw" in CPUINFO
 pytestmark = pytest.mark.skipif(not AVX512, reason="the kernel needs AVX-512 (F, BW)")
 
 
@@ -40,6 +43,26 @@ def test_rows_times_weight_against_float64(m, k, n, seed):
     assert np.all(np.abs(got - want) <= bound)
     # the same bits on every call, whichever thread ran which block of rows
     np.testing.assert_array_equal(np.asarray(jax.jit(rows.rows_bf16)(x, w)), got)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the library")
+def test_only_the_kernel_uses_avx512_so_any_x86_64_may_load_the_library():
+    """One build serves hosts with and without AVX-512 (a cache shared over NFS): loading the
+    library, asking it whether the CPU runs the kernel, and the handler's own set-up use no
+    AVX-512 register; only the functions compiled for AVX-512 (the kernel's) do."""
+    assert rows.available()
+    out = subprocess.run(
+        ["objdump", "-d", "-C", str(rows.build())], capture_output=True, text=True, check=True
+    )
+    users, name = set(), None
+    for line in out.stdout.splitlines():
+        if line.endswith(">:"):
+            name = line.split("<", 1)[1][:-2]
+        elif "zmm" in line and name is not None:
+            users.add(name)
+    kernel = ("widen", "four_rows", "block(", "Work::run")
+    assert users and all(any(k in u for k in kernel) for u in users), sorted(users)
+    assert not any("supported" in u or "RowsBf16" in u for u in users), sorted(users)
 
 
 def test_dense_sends_few_rows_to_the_kernel():

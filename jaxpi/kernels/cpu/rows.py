@@ -4,9 +4,13 @@ call of `rows_bf16.cc` (AVX-512), the library built on first use.
 The library is compiled with the system's C++ compiler into `$JAXPI_KERNEL_CACHE` (default
 `$XDG_CACHE_HOME/jaxpi/kernels`, else `~/.cache/jaxpi/kernels`), named by a digest of the source,
 the flags, the compiler and jaxlib, and renamed into place when complete, so processes share one
-build. `available()` is False, and callers use XLA's own product, when the kernels are switched
-off (`JAXPI_CPU_KERNELS=off`), the backend is not the CPU, the CPU lacks AVX-512, or the build
-fails (then with one warning naming the reason); `dense` also skips it under a mesh, where XLA's
+build. The library is compiled for the baseline x86-64 (its AVX-512 functions carry target
+attributes), so the build does not depend on the host and one cache serves hosts with and without
+the instructions: the library itself says whether this CPU runs its kernel.
+
+`available()` is False, and callers use XLA's own product, when the kernels are switched off
+(`JAXPI_CPU_KERNELS=off`), the backend is not the CPU, the CPU lacks AVX-512, or the build fails
+(then with one warning naming the reason); `dense` also skips it under a mesh, where XLA's
 partitioner would have to split a custom call.
 """
 
@@ -29,7 +33,7 @@ import jaxlib
 SOURCE = Path(__file__).with_name("rows_bf16.cc")
 TARGET = "jaxpi_rows_bf16"
 MAX_ROWS = 8  # the kernel's limit (kMaxRows)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")  # no -m flags: see the module docstring
 SWITCH = "JAXPI_CPU_KERNELS"  # "off" / "0" / "false": never build or use the native kernels
 CACHE = "JAXPI_KERNEL_CACHE"
 
@@ -70,23 +74,29 @@ def build() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether `rows_bf16` can run here (built, loaded and registered once per process)."""
+def _library() -> ctypes.CDLL | None:
+    """The loaded library, or None where the kernels cannot run (built and loaded once per process)."""
     if os.environ.get(SWITCH, "").lower() in ("0", "off", "false"):
-        return False
+        return None
     if jax.default_backend() != "cpu":
-        return False
+        return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        return ctypes.CDLL(str(build()))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         warnings.warn(
-            f"jaxpi: the native CPU kernel did not build ({detail[-400:]}); using XLA's", stacklevel=2
+            f"jaxpi: the native CPU kernel did not build ({detail[-400:]}); using XLA's", stacklevel=3
         )
-        return False
-    if not lib.jaxpi_rows_bf16_supported():
+        return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `rows_bf16` can run here (registered once per process)."""
+    lib = _library()
+    if lib is None or not lib.jaxpi_rows_bf16_supported():
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpiRowsBf16), platform="cpu")
     return True

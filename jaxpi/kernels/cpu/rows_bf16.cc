@@ -10,6 +10,10 @@
 //
 // Summation: in float32, k ascending within a block, then the blocks' sums in block order: the
 // same bits whichever thread ran which block.
+//
+// The library is compiled without host-specific flags; the functions that use AVX-512 carry target
+// attributes and run only after `jaxpi_*_supported()` said the CPU has the instructions, so one
+// build in a shared cache serves hosts with and without them.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,6 +28,8 @@
 
 namespace ffi = xla::ffi;
 
+#define JAXPI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;
@@ -32,12 +38,12 @@ constexpr int64_t kBlock = 256;  // weight rows per task (and per partial sum)
 // 16 bf16 as float32: the bits shifted into the high half. Full vectors use unmasked loads and
 // stores: on AMD Zen an AVX-512 masked store runs several times slower than a plain one (it
 // halved this kernel's rate when every store was masked), so masks are for the last columns.
-inline __m512 widen(const uint16_t* p) {
+JAXPI_AVX512 inline __m512 widen(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-inline __m512 widen(const uint16_t* p, __mmask16 m) {
+JAXPI_AVX512 inline __m512 widen(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
@@ -50,7 +56,7 @@ inline float widen1(uint16_t v) {
 
 // acc[m, n:n+16] += sum_j xs[m][j] * w[k + j, n:n+16] for j < 4 (r = &w[k, 0]).
 template <bool kTail>
-inline void four_rows(const uint16_t* r, int64_t n_dim, int64_t n, __mmask16 mask, const float (*xs)[4],
+JAXPI_AVX512 inline void four_rows(const uint16_t* r, int64_t n_dim, int64_t n, __mmask16 mask, const float (*xs)[4],
                       float* acc, int64_t m_rows) {
   __m512 w4[4];
   for (int j = 0; j < 4; ++j) w4[j] = kTail ? widen(r + j * n_dim + n, mask) : widen(r + j * n_dim + n);
@@ -67,7 +73,7 @@ inline void four_rows(const uint16_t* r, int64_t n_dim, int64_t n, __mmask16 mas
 }
 
 // acc[M, N] += x[:, k0:k1] . w[k0:k1, :], the weight's rows read in order.
-void block(const uint16_t* x, const uint16_t* w, float* acc, int64_t m_rows, int64_t k_dim, int64_t n_dim,
+JAXPI_AVX512 void block(const uint16_t* x, const uint16_t* w, float* acc, int64_t m_rows, int64_t k_dim, int64_t n_dim,
            int64_t k0, int64_t k1) {
   const int64_t full = n_dim / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_dim - full)) - 1);
@@ -159,7 +165,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiRowsBf16, RowsBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether this CPU runs the kernel's instructions (AVX-512 F and BW).
+
+// Whether this CPU runs the kernel's instructions (AVX-512 F, BW, VL and FMA). Compiled for the
+// baseline: safe to call on any x86-64.
 extern "C" int jaxpi_rows_bf16_supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
 }
