@@ -4,8 +4,8 @@
 // A decode step at a small batch reads every weight once and does ~M multiply-adds per weight:
 // its speed is the rate at which the weight streams from memory. The weight is read as stored,
 // row after row (a row's columns are contiguous: the hardware prefetchers follow), each bf16
-// widened to float32 by a 16-bit shift, and the M products accumulated in float32 in a partial y
-// (four weight rows per pass over it). The rows are cut into blocks of 256 that the calling thread
+// widened to float32 by a 16-bit shift (or a mask), and the M products accumulated in float32 in a
+// partial y (eight weight rows per pass over it). The rows are cut into blocks of 256 that the calling thread
 // and helper tasks on XLA's intra-op pool claim one by one, so no block waits on a busy helper.
 //
 // Summation: in float32, k ascending within a block, then the blocks' sums in block order: the
@@ -35,6 +35,9 @@ namespace {
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kBlock = 256;  // weight rows per task (and per partial sum)
 
+// Everything that uses AVX-512 instructions, and only that, is in this namespace.
+namespace avx512 {
+
 // 16 bf16 as float32: the bits shifted into the high half. Full vectors use unmasked loads and
 // stores: on AMD Zen an AVX-512 masked store runs several times slower than a plain one (it
 // halved this kernel's rate when every store was masked), so masks are for the last columns.
@@ -54,53 +57,96 @@ inline float widen1(uint16_t v) {
   return f;
 }
 
-// acc[m, n:n+16] += sum_j xs[m][j] * w[k + j, n:n+16] for j < 4 (r = &w[k, 0]).
-template <bool kTail>
-JAXPI_AVX512 inline void four_rows(const uint16_t* r, int64_t n_dim, int64_t n, __mmask16 mask, const float (*xs)[4],
-                      float* acc, int64_t m_rows) {
-  __m512 w4[4];
-  for (int j = 0; j < 4; ++j) w4[j] = kTail ? widen(r + j * n_dim + n, mask) : widen(r + j * n_dim + n);
+// acc[m, g:g+32] += sum_j xs[m][j] * w[k + j, g:g+32] for j < R (r = &w[k, 0]), in the split
+// layout: a 512-bit load holds 32 bf16 columns; shifting each 32-bit lane left by 16 gives the
+// even columns as float32, masking off its low half the odd ones (no widening instruction), and
+// acc keeps, per group of 32 columns, the 16 even ones and then the 16 odd ones (`unsplit` puts
+// them back in order once, at the end).
+template <int R>
+JAXPI_AVX512 inline void rows_of_group(const uint16_t* r, int64_t n_dim, int64_t g, const float (*xs)[8],
+                                       float* acc, int64_t m_rows) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 even[R], odd[R];
+  for (int j = 0; j < R; ++j) {
+    const __m512i v = _mm512_loadu_si512(r + j * n_dim + g);
+    even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+  }
   for (int64_t m = 0; m < m_rows; ++m) {
-    float* y = acc + m * n_dim + n;
-    __m512 s = kTail ? _mm512_maskz_loadu_ps(mask, y) : _mm512_loadu_ps(y);
-    for (int j = 0; j < 4; ++j) s = _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), w4[j], s);
-    if (kTail) {
-      _mm512_mask_storeu_ps(y, mask, s);
-    } else {
-      _mm512_storeu_ps(y, s);
+    float* y = acc + m * n_dim + g;
+    __m512 se = _mm512_loadu_ps(y), so = _mm512_loadu_ps(y + 16);
+    for (int j = 0; j < R; ++j) {
+      const __m512 xb = _mm512_set1_ps(xs[m][j]);
+      se = _mm512_fmadd_ps(xb, even[j], se);
+      so = _mm512_fmadd_ps(xb, odd[j], so);
     }
+    _mm512_storeu_ps(y, se);
+    _mm512_storeu_ps(y + 16, so);
   }
 }
 
-// acc[M, N] += x[:, k0:k1] . w[k0:k1, :], the weight's rows read in order.
-JAXPI_AVX512 void block(const uint16_t* x, const uint16_t* w, float* acc, int64_t m_rows, int64_t k_dim, int64_t n_dim,
-           int64_t k0, int64_t k1) {
-  const int64_t full = n_dim / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n_dim - full)) - 1);
-  float xs[kMaxRows][4];
-  for (int64_t k = k0; k < k1; k += 4) {
-    const int64_t rows = std::min<int64_t>(4, k1 - k);
+template <int R>
+JAXPI_AVX512 void groups_of_rows(const uint16_t* r, int64_t n_dim, int64_t groups, const float (*xs)[8],
+                                 float* acc, int64_t m_rows) {
+  for (int64_t g = 0; g < groups; g += 32) rows_of_group<R>(r, n_dim, g, xs, acc, m_rows);
+}
+
+// acc[M, N] += x[:, k0:k1] . w[k0:k1, :], the weight's rows read in order, eight at a time (the
+// fewer loads and stores of acc per weight byte, the nearer the read stream's rate). Columns past
+// the last whole group of 32 stay in order, 16 at a time (the last ones masked).
+JAXPI_AVX512 void block(const uint16_t* x, const uint16_t* w, float* acc, int64_t m_rows, int64_t k_dim,
+                        int64_t n_dim, int64_t k0, int64_t k1) {
+  const int64_t groups = n_dim / 32 * 32;
+  float xs[kMaxRows][8];
+  for (int64_t k = k0; k < k1; k += 8) {
+    const int64_t rows = std::min<int64_t>(8, k1 - k);
     for (int64_t m = 0; m < m_rows; ++m)
-      for (int j = 0; j < 4; ++j) xs[m][j] = j < rows ? widen1(x[m * k_dim + k + j]) : 0.0f;
+      for (int j = 0; j < 8; ++j) xs[m][j] = j < rows ? widen1(x[m * k_dim + k + j]) : 0.0f;
     const uint16_t* r = w + k * n_dim;
-    if (rows == 4) {
-      for (int64_t n = 0; n < full; n += 16) four_rows<false>(r, n_dim, n, 0xFFFF, xs, acc, m_rows);
-      if (full < n_dim) four_rows<true>(r, n_dim, full, tail, xs, acc, m_rows);
-      continue;
+    switch (rows) {
+      case 8: groups_of_rows<8>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 7: groups_of_rows<7>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 6: groups_of_rows<6>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 5: groups_of_rows<5>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 4: groups_of_rows<4>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 3: groups_of_rows<3>(r, n_dim, groups, xs, acc, m_rows); break;
+      case 2: groups_of_rows<2>(r, n_dim, groups, xs, acc, m_rows); break;
+      default: groups_of_rows<1>(r, n_dim, groups, xs, acc, m_rows); break;
     }
-    for (int64_t j = 0; j < rows; ++j) {  // the block's last 1-3 rows, one at a time
-      for (int64_t n = 0; n < n_dim; n += 16) {
-        const __mmask16 mask = n < full ? static_cast<__mmask16>(0xFFFF) : tail;
-        const __m512 a = widen(r + j * n_dim + n, mask);
+    for (int64_t j = 0; j < rows; ++j) {  // the last (< 32) columns, one weight row at a time
+      for (int64_t n = groups; n < n_dim; n += 16) {
+        const int64_t width = std::min<int64_t>(16, n_dim - n);
+        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+        const __m512 a = width == 16 ? widen(r + j * n_dim + n) : widen(r + j * n_dim + n, mask);
         for (int64_t m = 0; m < m_rows; ++m) {
           float* y = acc + m * n_dim + n;
-          const __m512 s = _mm512_maskz_loadu_ps(mask, y);
-          _mm512_mask_storeu_ps(y, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), a, s));
+          if (width == 16) {
+            _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), a, _mm512_loadu_ps(y)));
+          } else {
+            const __m512 s = _mm512_maskz_loadu_ps(mask, y);
+            _mm512_mask_storeu_ps(y, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[m][j]), a, s));
+          }
         }
       }
     }
   }
 }
+
+// y[M, N] from the split layout back to column order (the whole groups of 32 columns).
+JAXPI_AVX512 void unsplit(float* y, int64_t m_rows, int64_t n_dim) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t g = 0; g + 32 <= n_dim; g += 32) {
+      float* p = y + m * n_dim + g;
+      const __m512 even = _mm512_loadu_ps(p), odd = _mm512_loadu_ps(p + 16);
+      _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(even, second, odd));
+    }
+  }
+}
+
+}  // namespace avx512
 
 // The blocks of weight rows, claimed one by one by the calling thread and its helpers. Each block
 // sums into its own partial y and the caller adds the partials in block order, so y does not
@@ -114,7 +160,7 @@ struct Work {
 
   void run() {
     for (int64_t c; (c = next.fetch_add(1)) < blocks;) {
-      block(x, w, partial.data() + c * m * n, m, k, n, c * kBlock, std::min(k, (c + 1) * kBlock));
+      avx512::block(x, w, partial.data() + c * m * n, m, k, n, c * kBlock, std::min(k, (c + 1) * kBlock));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -153,6 +199,7 @@ ffi::Error RowsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
     const float* p = work->partial.data() + c * size;
     for (int64_t i = 0; i < size; ++i) out[i] += p[i];
   }
+  avx512::unsplit(out, work->m, work->n);
   return ffi::Error::Success();
 }
 
