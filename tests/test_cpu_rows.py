@@ -1,6 +1,7 @@
-"""The native CPU kernel for products of a few rows with a bf16 weight (`jaxpi.kernels.cpu.rows`)
-against float64, its use by `dense`, the build that serves any x86-64 host, and the switch that
-turns it off."""
+"""The native CPU kernels for products of rows with a bf16 weight (`jaxpi.kernels.cpu.rows`:
+`rows_bf16` for a few rows, `packed_bf16` on AVX-512 BF16 over a packed weight for more) against
+float64, their use by `dense`, the build that serves any x86-64 host, and the switch that turns
+them off."""
 
 import shutil
 import subprocess
@@ -15,11 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpi.kernels.cpu import rows
-from jaxpi.kernels.dense import NATIVE_ROWS, dense
+from jaxpi.kernels.dense import NATIVE_ROWS, PACKED_ROWS, dense, packing
 
 CPUINFO = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 AVX512 = "avx512bw" in CPUINFO
+AVX512_BF16 = AVX512 and "avx512_bf16" in CPUINFO
 pytestmark = pytest.mark.skipif(not AVX512, reason="the kernel needs AVX-512 (F, BW)")
+needs_bf16 = pytest.mark.skipif(not AVX512_BF16, reason="packed_bf16 needs AVX-512 BF16")
 
 
 def test_the_kernel_builds_and_registers():
@@ -43,6 +46,58 @@ def test_rows_times_weight_against_float64(m, k, n, seed):
     assert np.all(np.abs(got - want) <= bound)
     # the same bits on every call, whichever thread ran which block of rows
     np.testing.assert_array_equal(np.asarray(jax.jit(rows.rows_bf16)(x, w)), got)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(k=st.integers(1, 9), n=st.integers(1, 70), seed=st.integers(0, 3))
+def test_pack_lays_out_pairs_of_rows_per_strip_of_32_columns(k, n, seed):
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    got = np.asarray(rows.pack(jnp.asarray(w, jnp.bfloat16)), np.float32)
+    assert got.shape == (-(-n // 32), -(-k // 2), 64)
+    wb = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+    for s_, p, c, j in np.ndindex(got.shape[0], got.shape[1], 32, 2):
+        row, col = 2 * p + j, 32 * s_ + c
+        assert got[s_, p, 2 * c + j] == (wb[row, col] if row < k and col < n else 0.0)
+
+
+@needs_bf16
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    m=st.integers(1, rows.MAX_PACKED_ROWS),
+    k=st.integers(1, 600),
+    n=st.integers(1, 100),
+    scale=st.tuples(st.integers(-40, 40), st.integers(-40, 40)),
+    seed=st.integers(0, 3),
+)
+def test_packed_against_float64(m, k, n, scale, seed):
+    """Every shape the kernel meets: rows in passes of 8 with a partial last pass, K odd (the last
+    row's partner is the packing's zero and x has no value past K), N with a partial last strip;
+    magnitudes from 2^-40 to 2^40 (products stay above float32's normal range, where vdpbf16ps
+    flushes)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** scale[0], jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 2.0 ** scale[1], jnp.bfloat16)
+    f = jax.jit(lambda x, w: rows.packed_bf16(x, rows.pack(w), n))
+    got = np.asarray(f(x, w))
+    xd, wd = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    bound = k * 2.0**-24 * (np.abs(xd) @ np.abs(wd))
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    bad = np.argwhere(np.abs(got - xd @ wd) > bound)
+    assert bad.size == 0, f"m={m} k={k} n={n}: first bad element {bad[0].tolist()}"
+    np.testing.assert_array_equal(np.asarray(f(x, w)), got)  # one order per element, any thread
+
+
+@needs_bf16
+def test_packed_flushes_below_the_normal_range_and_checks_its_operands():
+    """vdpbf16ps treats inputs below 2^-126 as zero: the documented difference from XLA's product."""
+    one = rows.pack(jnp.ones((4, 3), jnp.bfloat16))
+    assert np.all(np.asarray(rows.packed_bf16(jnp.full((2, 4), 2.0**-130, jnp.bfloat16), one, 3)) == 0)
+    got = np.asarray(rows.packed_bf16(jnp.full((2, 4), 2.0**-120, jnp.bfloat16), one, 3))
+    assert np.all(got == 4 * 2.0**-120)
+    with pytest.raises(ValueError, match="not a \\[5, 3\\] weight"):
+        rows.packed_bf16(jnp.ones((2, 5), jnp.bfloat16), one, 3)
+    with pytest.raises(ValueError, match="M <= 256"):
+        rows.packed_bf16(jnp.ones((257, 4), jnp.bfloat16), one, 3)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the library")
@@ -72,6 +127,16 @@ def test_dense_sends_few_rows_to_the_kernel():
 
     assert rows.TARGET in hlo(1) and rows.TARGET in hlo(NATIVE_ROWS)
     assert rows.TARGET not in hlo(NATIVE_ROWS + 1)
+    # more rows: the packed kernel only inside `packing()` (the engine's decode loop), up to
+    # PACKED_ROWS; then XLA's own product
+    assert rows.PACKED_TARGET not in hlo(NATIVE_ROWS + 1)
+    if AVX512_BF16:
+        with packing():
+            assert rows.PACKED_TARGET in hlo(NATIVE_ROWS + 1) and rows.PACKED_TARGET in hlo(PACKED_ROWS)
+            assert rows.PACKED_TARGET not in hlo(NATIVE_ROWS) and rows.PACKED_TARGET not in hlo(
+                PACKED_ROWS + 1
+            )
+            assert rows.PACK_TARGET in hlo(PACKED_ROWS)
     # a product with an axis in both operands (h) is not rows times the weight as stored
     x1 = jax.ShapeDtypeStruct((1, 4, 64), jnp.bfloat16)
     shared = jax.jit(lambda x, w: dense("bhd,dhk->bhk", x, w)).lower(x1, w).as_text()
@@ -86,7 +151,7 @@ def test_dense_sends_few_rows_to_the_kernel():
 
 
 def test_the_switch_turns_the_kernel_off():
-    code = "from jaxpi.kernels.cpu import rows; print(rows.available())"
+    code = "from jaxpi.kernels.cpu import rows; print(rows.available() or rows.packed_available())"
     env = {"JAXPI_CPU_KERNELS": "off", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

@@ -5,6 +5,7 @@ unrolled tail, so both cache layouts are masked per row), adapters with non-zero
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.extend
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpi import TINY, load_hf
+from jaxpi.bench.decode import common_prefix
 from jaxpi.hf_fixtures import make_checkpoint
 from jaxpi.lora import LoraConfig, LoRAParam, add_lora
 from jaxpi.rollout import Completion, JaxEngine, RolloutEngine, SamplingParams
@@ -320,6 +322,54 @@ def test_a_bf16_engine_on_the_cpu_reads_its_weights_and_cache_as_stored():
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     a, b = wide.generate(prompts, params), narrow.generate(prompts, params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """HLO text split into its computations, by name (ENTRY's under "ENTRY")."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            out[name] = ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop():
+    """At 5-256 rows a bf16 decode call of >= PACK_MIN_STEPS steps uses the packed kernel (where the
+    CPU has AVX-512 BF16) with the weights packed outside the while loop, once per call; a short or
+    streaming call does not pack. Its greedy tokens follow the unpacked engine's (a different
+    float32 summation order: bf16 near-ties may part them late)."""
+    from jaxpi.config import FULL, LINEAR
+    from jaxpi.hf_fixtures import random_jax_model
+    from jaxpi.kernels.cpu import rows
+    from jaxpi.rollout.jax_engine import PACK_MIN_STEPS
+
+    m = random_jax_model(TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL)), 4, "bfloat16")
+    engine = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))
+    long = SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS)
+    short = SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS // 2)
+    assert rows.PACKED_TARGET not in engine.decode_hlo(short)
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    comps = _computations(engine.decode_hlo(long))
+    bodies = {c for text in comps.values() for c in re.findall(r"body=%?([\w.\-]+)", text)}
+    packs = [c for c, text in comps.items() if rows.PACK_TARGET in text]
+    products = [c for c, text in comps.items() if rows.PACKED_TARGET in text]
+    assert packs and products and not set(packs) & bodies, (packs, bodies)
+    assert set(products) <= bodies | {c for c in comps if c not in packs}
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7], [1], [8, 8, 8]]
+    packed = engine.generate(prompts, long)
+    sessions = engine.start(prompts)  # the same turn streamed 4 tokens per call: not packed
+    try:
+        plain = engine._turn(sessions, [[]] * len(prompts), long, range(len(prompts)), lambda *_: None, 4)
+    finally:
+        engine.close(sessions)
+    for a, b in zip(packed, plain, strict=True):
+        n = common_prefix(a.token_ids, b.token_ids)
+        assert n >= 4, (a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)

@@ -14,7 +14,10 @@ float32 sums (the last bits), not the arithmetic:
   row zero, its result dropped);
 - and XLA's bf16 kernel streams a weight at about half the memory bandwidth when the rows are few,
   so products of up to `NATIVE_ROWS` rows go to a native kernel where one runs
-  (`jaxpi.kernels.cpu.rows`: the weight read once, as stored, float32 sums).
+  (`jaxpi.kernels.cpu.rows`: the weight read once, as stored, float32 sums), and products of up
+  to `PACKED_ROWS` rows, inside `packing()` (the engine's decode loop), to its AVX-512 BF16 kernel
+  over the weight packed per strip of 32 columns where the CPU has those instructions (1.3-1.5x
+  XLA's product at 16-256 rows).
 
 Inside the engine's decode loop XLA hoists those float32 copies out of the loop: each call wrote a
 float32 copy of every weight (twice the model's bytes) and each step read it. Weights of float32
@@ -26,7 +29,10 @@ result would make the backward's cotangents float32 and every bf16 weight gradie
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +45,24 @@ PAD_SINGLE_ROW = ("cpu",)
 # Products of up to this many rows go to the native kernel where it runs (`jaxpi.kernels.cpu.rows`):
 # measured on the 2-core CPU against XLA's bf16 kernel, 1.65x at 1 row, 1.44x at 2, level at 4-8.
 NATIVE_ROWS = 4
+# Inside `packing()`, products of more rows, up to this many, go to the packed AVX-512 BF16 kernel
+# where it runs (`rows.packed_bf16`): the weight packed per strip of 32 columns by `rows.pack`.
+# Packing reads and writes every weight, so it pays only where it is done once for many products:
+# the engine's decode loop, where the weight is loop-invariant and XLA packs it once per call
+# before the loop (`JaxEngine` turns it on for calls of many steps). Measured in
+# docs/performance.md ("packed strips").
+PACKED_ROWS = rows.MAX_PACKED_ROWS
+_PACKING = contextvars.ContextVar("jaxpi_dense_packing", default=False)
+
+
+@contextlib.contextmanager
+def packing(on: bool = True) -> Iterator[None]:
+    """Products traced inside may use the packed kernel (see `PACKED_ROWS`)."""
+    token = _PACKING.set(on)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
 
 
 def _rows_times_weight(eq: str, n_in: int) -> bool:
@@ -66,6 +90,18 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, n_in: int = 1) -> jax.Array:
     ):
         k = math.prod(w.shape[:n_in])
         y = rows.rows_bf16(x.reshape(m, k), w.reshape(k, -1))
+        return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
+    if (
+        NATIVE_ROWS < m <= PACKED_ROWS
+        and _PACKING.get()
+        and x.dtype == w.dtype == jnp.bfloat16
+        and _rows_times_weight(eq, n_in)
+        and current_resolver() is None
+        and rows.packed_available()
+    ):
+        k = math.prod(w.shape[:n_in])
+        n = math.prod(w.shape[n_in:])
+        y = rows.packed_bf16(x.reshape(m, k), rows.pack(w.reshape(k, n)), n)
         return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
     if lead and all(n == 1 for n in lead) and jax.default_backend() in PAD_SINGLE_ROW:
         padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)  # two rows along the first axis

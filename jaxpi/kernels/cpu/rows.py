@@ -1,5 +1,6 @@
 """`rows_bf16(x, w)`: float32 `x · w` for x `[M ≤ 8, K]` and w `[K, N]` in bf16, as the XLA FFI custom
-call of `rows_bf16.cc` (AVX-512), the library built on first use.
+call of `rows_bf16.cc` (AVX-512), the library built on first use; `packed_bf16(x, pack(w))`: the
+same for more rows (M ≤ 256) on AVX-512 BF16 dot products, with w packed per strip of 32 columns.
 
 The library is compiled with the system's C++ compiler into `$JAXPI_KERNEL_CACHE` (default
 `$XDG_CACHE_HOME/jaxpi/kernels`, else `~/.cache/jaxpi/kernels`), named by a digest of the source,
@@ -32,6 +33,10 @@ import jaxlib
 
 SOURCE = Path(__file__).with_name("rows_bf16.cc")
 TARGET = "jaxpi_rows_bf16"
+PACKED_TARGET = "jaxpi_packed_bf16"
+PACK_TARGET = "jaxpi_pack_bf16"
+MAX_PACKED_ROWS = 256  # packed_bf16's limit (kMaxPackedRows)
+STRIP = 32  # columns per packed strip
 MAX_ROWS = 8  # the kernel's limit (kMaxRows)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")  # no -m flags: see the module docstring
 SWITCH = "JAXPI_CPU_KERNELS"  # "off" / "0" / "false": never build or use the native kernels
@@ -102,12 +107,69 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def packed_available() -> bool:
+    """Whether `packed_bf16` can run here (AVX-512 BF16; registered once per process)."""
+    lib = _library()
+    if lib is None or not lib.jaxpi_packed_bf16_supported():
+        return False
+    jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JaxpiPackedBf16), platform="cpu")
+    jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxpiPackBf16), platform="cpu")
+    return True
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """w `[K, N]` (bf16) as `packed_bf16` reads it: `[ceil(N / 32), ceil(K / 2), 64]`, element
+    `[s, p, 2c + j] = w[2p + j, 32s + c]` (zeros past K and N), by the native kernel where
+    `packed_available()` (at the memory's speed; XLA's transpose of 2-byte pairs took ~20x longer),
+    else by `pack_reference`. Inside the engine's decode loop the weight is loop-invariant and XLA
+    computes this once per call, outside the loop."""
+    if w.ndim != 2 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"pack takes a bf16 [K, N] weight, got {w.dtype} {w.shape}")
+    if not packed_available():
+        return pack_reference(w)
+    k, n = w.shape
+    out = jax.ShapeDtypeStruct((-(-n // STRIP), -(-k // 2), 2 * STRIP), jnp.bfloat16)
+    return jax.ffi.ffi_call(PACK_TARGET, out, vmap_method="sequential")(w)
+
+
+def pack_reference(w: jax.Array) -> jax.Array:
+    """`pack` in plain JAX (pad, reshape, transpose)."""
+    k, n = w.shape
+    w = jnp.pad(w, ((0, k % 2), (0, -n % STRIP)))
+    kp, np_ = w.shape
+    return (
+        w.reshape(kp // 2, 2, np_ // STRIP, STRIP)
+        .transpose(2, 0, 3, 1)
+        .reshape(np_ // STRIP, kp // 2, 2 * STRIP)
+    )
+
+
+def packed_bf16(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """`x · w` in float32 for x `[M, K]` (1 ≤ M ≤ `MAX_PACKED_ROWS`) and `packed = pack(w)` of a
+    `[K, n]` bf16 weight, on AVX-512 BF16 dot products (inputs and sums below 2^-126 flushed to
+    zero). Raises where `packed_available()` is False."""
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_PACKED_ROWS or packed.ndim != 3:
+        raise ValueError(f"packed_bf16 takes x [M <= {MAX_PACKED_ROWS}, K] and a packed w, got {x.shape}")
+    if packed.shape[1:] != (-(-x.shape[1] // 2), 2 * STRIP) or not 0 < n <= packed.shape[0] * STRIP:
+        raise ValueError(f"packed_bf16: w packed {packed.shape} is not a [{x.shape[1]}, {n}] weight's")
+    if x.dtype != jnp.bfloat16 or packed.dtype != jnp.bfloat16:
+        raise ValueError(f"packed_bf16 takes bf16 operands, got {x.dtype} and {packed.dtype}")
+    if not packed_available():
+        raise RuntimeError("packed_bf16 does not run here (it needs AVX-512 BF16 on the CPU backend)")
+    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * STRIP), jnp.float32)
+    y = jax.ffi.ffi_call(PACKED_TARGET, out, vmap_method="sequential")(x, packed)
+    return y[:, :n]
+
+
 def rows_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x · w` in float32: x `[M, K]` (1 ≤ M ≤ `MAX_ROWS`), w `[K, N]`, both bf16. Call only when
-    `available()`."""
+    """`x · w` in float32: x `[M, K]` (1 ≤ M ≤ `MAX_ROWS`), w `[K, N]`, both bf16. Raises where
+    `available()` is False."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"rows_bf16 takes x [M <= {MAX_ROWS}, K] and w [K, N], got {x.shape} and {w.shape}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"rows_bf16 takes bf16 operands, got {x.dtype} and {w.dtype}")
+    if not available():
+        raise RuntimeError("rows_bf16 does not run here (it needs AVX-512 on the CPU backend)")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)

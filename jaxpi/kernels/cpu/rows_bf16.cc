@@ -146,6 +146,91 @@ JAXPI_AVX512 void unsplit(float* y, int64_t m_rows, int64_t n_dim) {
   }
 }
 
+// --- packed_bf16: more rows (a decode step at batch 5-64) on AVX-512 BF16 dot products ---------
+//
+// w is packed per strip of 32 columns ([strips, K/2, 32, 2]: the two weight rows of a pair side by
+// side for each column), so a strip is one contiguous stream and each 64-byte load is the operand
+// of vdpbf16ps as it stands (16 columns, two bf16 per float32 lane). x's pair x[m, 2p], x[m, 2p+1]
+// is broadcast as one 32-bit value; the float32 sums of up to 8 rows × 32 columns stay in registers
+// over the whole of K. vdpbf16ps treats inputs and sums below 2^-126 as zero.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) void packed_rows(
+    const uint16_t* x, int64_t k_dim, const uint16_t* strip, int64_t pairs, float* y, int64_t n_dim) {
+  __m512 acc[2 * MR];
+  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t whole = k_dim / 2;  // pairs with both x values in x (K odd: the last has one)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh lo = (__m512bh)_mm512_loadu_si512(strip + p * 64);
+    const __m512bh hi = (__m512bh)_mm512_loadu_si512(strip + p * 64 + 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      uint32_t pair;
+      if (p < whole) {
+        std::memcpy(&pair, x + m * k_dim + 2 * p, sizeof pair);
+      } else {
+        pair = x[m * k_dim + 2 * p];  // the last, odd row of K: its partner is the packing's zero
+      }
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], lo, xb);
+      acc[2 * m + 1] = _mm512_dpbf16_ps(acc[2 * m + 1], hi, xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(y + m * n_dim, acc[2 * m]);
+    _mm512_storeu_ps(y + m * n_dim + 16, acc[2 * m + 1]);
+  }
+}
+
+// All rows of x times strip `c` (y's columns 32c to 32c + 31), eight rows at a time.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) void packed_strip(
+    const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* wp, int64_t pairs, float* y, int64_t n_dim,
+    int64_t c) {
+  const uint16_t* strip = wp + c * pairs * 64;
+  for (int64_t m0 = 0; m0 < m_dim; m0 += 8) {
+    const uint16_t* xs = x + m0 * k_dim;
+    float* ys = y + m0 * n_dim + c * 32;
+    switch (std::min<int64_t>(8, m_dim - m0)) {
+      case 1: packed_rows<1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 2: packed_rows<2>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 3: packed_rows<3>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 4: packed_rows<4>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 5: packed_rows<5>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 6: packed_rows<6>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 7: packed_rows<7>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      default: packed_rows<8>(xs, k_dim, strip, pairs, ys, n_dim); break;
+    }
+  }
+}
+
+// packed[s, p, 2c + j] = w[2p + j, 32s + c], zeros past K and N: rows 2p and 2p + 1 of a strip
+// interleaved by one permutation each for its two halves (16 columns each).
+JAXPI_AVX512 void pack_strips(const uint16_t* w, int64_t k_dim, int64_t n_dim, uint16_t* out, int64_t pairs,
+                              int64_t s0, int64_t s1) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  // Tiles of 16 pairs of rows by 32 strips: 32 rows read 2 KB each and 32 strips written 2 KB
+  // each per tile, so neither side jumps to a new page every 64 bytes.
+  for (int64_t t0 = s0; t0 < s1; t0 += 32)
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    const int64_t p1 = std::min<int64_t>(pairs, p0 + 16);
+    for (int64_t s = t0; s < std::min<int64_t>(s1, t0 + 32); ++s) {
+      const int64_t width = std::min<int64_t>(32, n_dim - 32 * s);
+      const __mmask32 cols = width == 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << width) - 1);
+      uint16_t* dst = out + s * pairs * 64;
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* r = w + 2 * p * n_dim + 32 * s;
+        const __m512i a = _mm512_maskz_loadu_epi16(cols, r);
+        const __m512i b = 2 * p + 1 < k_dim ? _mm512_maskz_loadu_epi16(cols, r + n_dim) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + p * 64, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(dst + p * 64 + 32, _mm512_permutex2var_epi16(a, hi, b));
+      }
+    }
+  }
+}
+
 }  // namespace avx512
 
 // The blocks of weight rows, claimed one by one by the calling thread and its helpers. Each block
@@ -203,6 +288,96 @@ ffi::Error RowsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// The strips, claimed one by one by the calling thread and its helpers; each writes its own
+// columns of y, every element summed over k in pairs in one order: the same bits whichever thread
+// ran it. The caller returns only when every strip is done.
+struct Strips {
+  const uint16_t* x;
+  const uint16_t* wp;
+  float* y;
+  int64_t m, k, pairs, strips;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1)) < strips;) {
+      avx512::packed_strip(x, m, k, wp, pairs, y, strips * 32, c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+constexpr int64_t kMaxPackedRows = 256;
+
+ffi::Error PackedBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> wp,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 64 || xd[0] < 1 || xd[0] > kMaxPackedRows || xd[1] < 1 ||
+      (xd[1] + 1) / 2 != wd[1])
+    return ffi::Error::InvalidArgument(
+        "packed_bf16: x [M, K] with 1 <= M <= 256 and w packed [strips, ceil(K / 2), 64] expected");
+  auto work = std::make_shared<Strips>();
+  work->x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  work->wp = reinterpret_cast<const uint16_t*>(wp.typed_data());
+  work->y = y->typed_data();
+  work->m = xd[0];
+  work->k = xd[1];
+  work->pairs = wd[1];
+  work->strips = wd[0];
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->strips) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->strips; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// `pack`: the weight laid out for `packed_bf16`, the strips split between the caller and one
+// helper per other pool thread (halves of the strips in order; each writes its own).
+struct Packing {
+  const uint16_t* w;
+  uint16_t* out;
+  int64_t k, n, pairs, strips, parts;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1)) < parts;) {
+      const int64_t s0 = strips * c / parts, s1 = strips * (c + 1) / parts;
+      avx512::pack_strips(w, k, n, out, pairs, s0, s1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PackBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> out) {
+  const auto wd = w.dimensions(), od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 3 || od[0] != (wd[1] + 31) / 32 || od[1] != (wd[0] + 1) / 2 || od[2] != 64)
+    return ffi::Error::InvalidArgument("pack_bf16: w [K, N] and out [ceil(N / 32), ceil(K / 2), 64] expected");
+  auto work = std::make_shared<Packing>();
+  work->w = reinterpret_cast<const uint16_t*>(w.typed_data());
+  work->out = reinterpret_cast<uint16_t*>(out->typed_data());
+  work->k = wd[0];
+  work->n = wd[1];
+  work->pairs = od[1];
+  work->strips = od[0];
+  work->parts = std::min<int64_t>(work->strips, 16);
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->parts) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->parts; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiRowsBf16, RowsBf16,
@@ -218,4 +393,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiRowsBf16, RowsBf16,
 extern "C" int jaxpi_rows_bf16_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiPackedBf16, PackedBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiPackBf16, PackBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+// Whether this CPU runs `packed_bf16` (also AVX-512 BF16). Compiled for the baseline.
+extern "C" int jaxpi_packed_bf16_supported() {
+  return jaxpi_rows_bf16_supported() && __builtin_cpu_supports("avx512bf16");
 }
