@@ -336,7 +336,7 @@ def _computations(hlo: str) -> dict[str, str]:
     return out
 
 
-def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop():
+def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop(monkeypatch):
     """At 5-256 rows a bf16 decode call of >= PACK_MIN_STEPS steps uses the packed kernel (where the
     CPU has AVX-512 BF16) with the weights packed outside the while loop, once per call; a short or
     streaming call does not pack. Its greedy tokens follow the unpacked engine's (a different
@@ -370,6 +370,10 @@ def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop():
         n = common_prefix(a.token_ids, b.token_ids)
         assert n >= 4, (a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
+    # no room for a second copy of the weights: no packing
+    monkeypatch.setattr("jaxpi.rollout.jax_engine.available_memory", lambda: 0.0)
+    tight = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))
+    assert rows.PACKED_TARGET not in tight.decode_hlo(long)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpi.kernels.dense import packing
+from jaxpi.kernels.cpu import rows
+from jaxpi.kernels.dense import NATIVE_ROWS, packing
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.models.unstack import unstack_layers, unstack_state
 from jaxpi.rollout.engine import Completion, SamplingParams, Session
@@ -47,9 +49,10 @@ from jaxpi.rollout.sampling import sample_tokens
 # float32 by default (see `JaxEngine`).
 UNSTACK_ON = ("cpu",)
 # Decode calls of at least this many steps may use the packed CPU kernel for products of 5-256 rows
-# (`jaxpi.kernels.dense.packing`): packing every weight once per call (~0.1-0.3 s for the bench's
-# 181 M-parameter model) pays back from a few dozen steps at batch 16; a streaming call of
-# `interval` steps does not pack.
+# (`jaxpi.kernels.dense.packing`): packing every weight once per call (~26 ms for the bench's
+# 181 M-parameter model, on top of a 64-step call of ~1.6 s at batch 16) pays back within a few
+# steps; a streaming call of `interval` steps does not pack. The engine packs only where the
+# machine has memory for a second copy of its bf16 weights (`available_memory`).
 PACK_MIN_STEPS = 32
 
 
@@ -104,6 +107,23 @@ def _placed_like(new: Any, current: Any) -> Any:
     return jax.device_put(new, sharding) if current.committed else jnp.asarray(np.asarray(new))
 
 
+def _bf16_bytes(state: nnx.State) -> int:
+    """Bytes of the bf16 arrays of `state` (what packing copies)."""
+    return sum(a.nbytes for a in jax.tree.leaves(state) if getattr(a, "dtype", None) == jnp.bfloat16)
+
+
+def available_memory() -> float:
+    """Bytes of memory this machine has available now (/proc/meminfo's MemAvailable), or
+    infinity where that cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
 def _bucket(n: int) -> int:
     """Decode buffer size for n new tokens: the next power of two, at least 16."""
     return max(16, 1 << (n - 1).bit_length())
@@ -123,6 +143,10 @@ class JaxEngine:
     call slices them out of the stacks (on XLA:CPU each slice is a copy of the weight: a copy of
     every weight per prefill call and per decode call). Off, the engine shares the caller's
     arrays and pays those copies.
+
+    On a CPU with AVX-512 BF16, a bf16 engine of more than 4 rows packs its weights for the native
+    kernel of 5-256 rows in each decode call of at least `PACK_MIN_STEPS` steps (a second copy of
+    the bf16 weights for the call, made only where the machine has the memory for it).
     """
 
     def __init__(
@@ -151,6 +175,13 @@ class JaxEngine:
             model = unstack_layers(model)
         self._graphdef, state = nnx.split(model)
         self._state = _detach(state)
+        # Long decode calls may pack the bf16 weights for the CPU kernel of 5-256 rows: a second
+        # copy of them for the call, so only where the machine has room for it.
+        self._pack = (
+            batch_size > NATIVE_ROWS
+            and rows.packed_available()
+            and _bf16_bytes(self._state) <= available_memory() / 2
+        )
         if dtype is None and jax.default_backend() in UNSTACK_ON and jnp.dtype(model.dtype).itemsize < 4:
             # XLA:CPU converts a 16-bit cache to float32 whole for each write (a scatter) and
             # each read (the attention's dots), every token: float32 holds the model's bf16 keys
@@ -372,7 +403,7 @@ class JaxEngine:
                 *sampling,
                 jnp.int32(steps),
                 n_cap=n_cap,
-                pack=steps >= PACK_MIN_STEPS,
+                pack=self._pack and steps >= PACK_MIN_STEPS,
             )
             toks, raw, proc, n_out, stopped = jax.device_get((toks, raw, proc, n_out, stopped))
             for i, slot in enumerate(slots):
@@ -426,7 +457,7 @@ class JaxEngine:
             *sampling,
             jnp.int32(n_cap),
             n_cap=n_cap,
-            pack=n_cap >= PACK_MIN_STEPS,
+            pack=self._pack and n_cap >= PACK_MIN_STEPS,
         )
         return lowered.compile().as_text()
 
