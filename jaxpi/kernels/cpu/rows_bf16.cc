@@ -233,6 +233,25 @@ JAXPI_AVX512 void pack_strips(const uint16_t* w, int64_t k_dim, int64_t n_dim, u
 
 }  // namespace avx512
 
+// Runs `work->run()` on the calling thread and on one helper per other pool thread (at most
+// `tasks` in all), and returns once `work->done` counts `tasks`. A helper that starts after every
+// task is claimed returns at once: it keeps the work alive, never touches the buffers, and nobody
+// waits for it (two of these calls side by side on a pool of two never wait on each other's
+// helpers).
+template <typename W>
+void run_on_pool(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t tasks) {
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), tasks) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < tasks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 // The blocks of weight rows, claimed one by one by the calling thread and its helpers. Each block
 // sums into its own partial y and the caller adds the partials in block order, so y does not
 // depend on which thread took which block.
@@ -264,19 +283,7 @@ ffi::Error RowsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   work->n = wd[1];
   work->blocks = (work->k + kBlock - 1) / kBlock;
   work->partial.assign(static_cast<size_t>(work->blocks * work->m * work->n), 0.0f);
-  // One helper per other pool thread. A helper that starts after every block is claimed returns
-  // at once: it keeps the Work alive, never touches the buffers, and nobody waits for it (two of
-  // these calls running side by side on a pool of two never wait on each other's helpers).
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->blocks) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->blocks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  run_on_pool(pool, work, work->blocks);
   const int64_t size = work->m * work->n;
   float* out = y->typed_data();
   std::memcpy(out, work->partial.data(), sizeof(float) * size);
@@ -323,16 +330,7 @@ ffi::Error PackedBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   work->k = xd[1];
   work->pairs = wd[1];
   work->strips = wd[0];
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->strips) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->strips; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  run_on_pool(pool, work, work->strips);
   return ffi::Error::Success();
 }
 
@@ -365,16 +363,7 @@ ffi::Error PackBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultB
   work->pairs = od[1];
   work->strips = od[0];
   work->parts = std::min<int64_t>(work->strips, 16);
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), work->parts) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->parts; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  run_on_pool(pool, work, work->parts);
   return ffi::Error::Success();
 }
 
