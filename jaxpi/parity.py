@@ -34,6 +34,7 @@ from flax import nnx
 from jaxpi.convert.hf import load_hf, text_prefix
 from jaxpi.convert.safetensors_io import read_index
 from jaxpi.convert.table import stack_index, text_rules
+from jaxpi.host import available_memory
 from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.inject import inject_bug
 
@@ -351,16 +352,6 @@ def float64_bytes(hf_dir: Path, batch: int, seq_len: int) -> int:
     return 8 * (3 * params + tokens * (per_token + 4 * cfg.vocab_size))
 
 
-def _available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def choose_reference(reference: str, hf_dir: Path, batch: int, seq_len: int) -> tuple[str, str]:
     """("fp64" | "fp32", a note for the report): "auto" takes fp64 where it fits in ~70% of the
     available memory."""
@@ -368,7 +359,7 @@ def choose_reference(reference: str, hf_dir: Path, batch: int, seq_len: int) -> 
         raise ValueError(f"reference must be one of {REFERENCES}, not {reference!r}")
     if reference != "auto":
         return reference, ""
-    need, have = float64_bytes(hf_dir, batch, seq_len), _available_bytes()
+    need, have = float64_bytes(hf_dir, batch, seq_len), available_memory()
     if have is None or need <= 0.7 * have:
         return "fp64", ""
     return "fp32", (

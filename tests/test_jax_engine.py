@@ -371,7 +371,7 @@ def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop(monkeypatch):
         assert n >= 4, (a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
     # no room for a second copy of the weights: no packing
-    monkeypatch.setattr("jaxpi.rollout.jax_engine.available_memory", lambda: 0.0)
+    monkeypatch.setattr("jaxpi.rollout.jax_engine.available_memory", lambda: 0)
     tight = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))
     assert rows.PACKED_TARGET not in tight.decode_hlo(long)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +73,15 @@ def _rows_times_weight(eq: str, n_in: int) -> bool:
     return lhs[len(lhs) - n_in :] == rhs[:n_in] and out == lhs[: len(lhs) - n_in] + rhs[n_in:]
 
 
+def _native_kernel(m: int) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
+    """The native product `(x [m, K], w [K, N]) -> float32 [m, N]` for `m` rows, or None for XLA's."""
+    if m <= NATIVE_ROWS and rows.available():
+        return rows.rows_bf16
+    if NATIVE_ROWS < m <= PACKED_ROWS and _PACKING.get() and rows.packed_available():
+        return lambda x, w: rows.packed_bf16(x, rows.pack(w), w.shape[1])
+    return None
+
+
 def dense(eq: str, x: jax.Array, w: jax.Array, *, n_in: int = 1) -> jax.Array:
     """`einsum(eq, x, w)` with float32 accumulation, in x's dtype. `eq` contracts the last `n_in`
     axes of x with leading axes of w; x's other axes are rows (e.g. "btd,df->btf", n_in 1)."""
@@ -81,27 +90,12 @@ def dense(eq: str, x: jax.Array, w: jax.Array, *, n_in: int = 1) -> jax.Array:
     acc = jnp.promote_types(x.dtype, jnp.float32)
     lead = x.shape[: x.ndim - n_in]
     m = math.prod(lead)
-    if (
-        m <= NATIVE_ROWS
-        and x.dtype == w.dtype == jnp.bfloat16
-        and _rows_times_weight(eq, n_in)
-        and current_resolver() is None  # no mesh: one device runs the whole custom call
-        and rows.available()
-    ):
+    kernel = (
+        _native_kernel(m) if x.dtype == w.dtype == jnp.bfloat16 and _rows_times_weight(eq, n_in) else None
+    )
+    if kernel is not None and current_resolver() is None:  # no mesh: one device runs the custom call
         k = math.prod(w.shape[:n_in])
-        y = rows.rows_bf16(x.reshape(m, k), w.reshape(k, -1))
-        return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
-    if (
-        NATIVE_ROWS < m <= PACKED_ROWS
-        and _PACKING.get()
-        and x.dtype == w.dtype == jnp.bfloat16
-        and _rows_times_weight(eq, n_in)
-        and current_resolver() is None
-        and rows.packed_available()
-    ):
-        k = math.prod(w.shape[:n_in])
-        n = math.prod(w.shape[n_in:])
-        y = rows.packed_bf16(x.reshape(m, k), rows.pack(w.reshape(k, n)), n)
+        y = kernel(x.reshape(m, k), w.reshape(k, -1))
         return y.reshape(*lead, *w.shape[n_in:]).astype(x.dtype)
     if lead and all(n == 1 for n in lead) and jax.default_backend() in PAD_SINGLE_ROW:
         padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)  # two rows along the first axis

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpi.host import available_memory
 from jaxpi.kernels.cpu import rows
 from jaxpi.kernels.dense import NATIVE_ROWS, packing
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -112,16 +112,10 @@ def _bf16_bytes(state: nnx.State) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(state) if getattr(a, "dtype", None) == jnp.bfloat16)
 
 
-def available_memory() -> float:
-    """Bytes of memory this machine has available now (/proc/meminfo's MemAvailable), or
-    infinity where that cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("inf")
+def _fits_twice(nbytes: int, available: int | None) -> bool:
+    """Whether a second copy of `nbytes` takes at most half the available memory (None: unknown,
+    taken as room)."""
+    return available is None or 2 * nbytes <= available
 
 
 def _bucket(n: int) -> int:
@@ -180,7 +174,7 @@ class JaxEngine:
         self._pack = (
             batch_size > NATIVE_ROWS
             and rows.packed_available()
-            and _bf16_bytes(self._state) <= available_memory() / 2
+            and _fits_twice(_bf16_bytes(self._state), available_memory())
         )
         if dtype is None and jax.default_backend() in UNSTACK_ON and jnp.dtype(model.dtype).itemsize < 4:
             # XLA:CPU converts a 16-bit cache to float32 whole for each write (a scatter) and

@@ -97,52 +97,44 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
+def _register(probe: str, targets: dict[str, str]) -> bool:
+    """Registers the library's handlers (`{target: symbol}`) where its `probe()` says this CPU runs
+    them; whether it did."""
+    lib = _library()
+    if lib is None or not getattr(lib, probe)():
+        return False
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True
+
+
 @functools.cache
 def available() -> bool:
-    """Whether `rows_bf16` can run here (registered once per process)."""
-    lib = _library()
-    if lib is None or not lib.jaxpi_rows_bf16_supported():
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpiRowsBf16), platform="cpu")
-    return True
+    """Whether `rows_bf16` can run here (AVX-512; registered once per process)."""
+    return _register("jaxpi_rows_bf16_supported", {TARGET: "JaxpiRowsBf16"})
 
 
 @functools.cache
 def packed_available() -> bool:
-    """Whether `packed_bf16` can run here (AVX-512 BF16; registered once per process)."""
-    lib = _library()
-    if lib is None or not lib.jaxpi_packed_bf16_supported():
-        return False
-    jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JaxpiPackedBf16), platform="cpu")
-    jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxpiPackBf16), platform="cpu")
-    return True
+    """Whether `pack` and `packed_bf16` can run here (AVX-512 BF16; registered once per process)."""
+    return _register(
+        "jaxpi_packed_bf16_supported", {PACKED_TARGET: "JaxpiPackedBf16", PACK_TARGET: "JaxpiPackBf16"}
+    )
 
 
 def pack(w: jax.Array) -> jax.Array:
     """w `[K, N]` (bf16) as `packed_bf16` reads it: `[ceil(N / 32), ceil(K / 2), 64]`, element
-    `[s, p, 2c + j] = w[2p + j, 32s + c]` (zeros past K and N), by the native kernel where
-    `packed_available()` (at the memory's speed; XLA's transpose of 2-byte pairs took ~20x longer),
-    else by `pack_reference`. Inside the engine's decode loop the weight is loop-invariant and XLA
-    computes this once per call, outside the loop."""
+    `[s, p, 2c + j] = w[2p + j, 32s + c]` (zeros past K and N), by the native kernel at the
+    memory's speed (XLA's transpose of 2-byte pairs took 1.7-4x longer). Inside the engine's decode
+    loop the weight is loop-invariant and XLA packs it once per call, before the loop. Raises where
+    `packed_available()` is False."""
     if w.ndim != 2 or w.dtype != jnp.bfloat16:
         raise ValueError(f"pack takes a bf16 [K, N] weight, got {w.dtype} {w.shape}")
     if not packed_available():
-        return pack_reference(w)
+        raise RuntimeError("pack does not run here (it needs AVX-512 BF16 on the CPU backend)")
     k, n = w.shape
     out = jax.ShapeDtypeStruct((-(-n // STRIP), -(-k // 2), 2 * STRIP), jnp.bfloat16)
     return jax.ffi.ffi_call(PACK_TARGET, out, vmap_method="sequential")(w)
-
-
-def pack_reference(w: jax.Array) -> jax.Array:
-    """`pack` in plain JAX (pad, reshape, transpose)."""
-    k, n = w.shape
-    w = jnp.pad(w, ((0, k % 2), (0, -n % STRIP)))
-    kp, np_ = w.shape
-    return (
-        w.reshape(kp // 2, 2, np_ // STRIP, STRIP)
-        .transpose(2, 0, 3, 1)
-        .reshape(np_ // STRIP, kp // 2, 2 * STRIP)
-    )
 
 
 def packed_bf16(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:

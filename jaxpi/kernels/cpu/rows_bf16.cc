@@ -29,6 +29,7 @@
 namespace ffi = xla::ffi;
 
 #define JAXPI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define JAXPI_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
 namespace {
 
@@ -154,7 +155,7 @@ JAXPI_AVX512 void unsplit(float* y, int64_t m_rows, int64_t n_dim) {
 // is broadcast as one 32-bit value; the float32 sums of up to 8 rows × 32 columns stay in registers
 // over the whole of K. vdpbf16ps treats inputs and sums below 2^-126 as zero.
 template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) void packed_rows(
+JAXPI_AVX512_BF16 void packed_rows(
     const uint16_t* x, int64_t k_dim, const uint16_t* strip, int64_t pairs, float* y, int64_t n_dim) {
   __m512 acc[2 * MR];
   for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -182,7 +183,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) void packed_
 }
 
 // All rows of x times strip `c` (y's columns 32c to 32c + 31), eight rows at a time.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) void packed_strip(
+JAXPI_AVX512_BF16 void packed_strip(
     const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* wp, int64_t pairs, float* y, int64_t n_dim,
     int64_t c) {
   const uint16_t* strip = wp + c * pairs * 64;
