@@ -17,8 +17,8 @@ both engines run on one bf16 checkpoint and the same prompts, their timed repeat
 (jaxpi, vLLM, jaxpi, ...), so a pair of repeats runs under about the same load. A vLLM server
 started here is stopped (SIGSTOP to its process group) during jaxpi's turns and the bandwidth
 probes, and continued (SIGCONT) for its own: its idle engine keeps a core busy, which on a
-2-core machine took about a third off jaxpi's batch-1 rate. A server given by URL keeps running
-(`paused` is false in the report).
+2-core machine took about a quarter off jaxpi's batch-1 rate (docs/performance.md). A server
+given by URL keeps running (`vllm.paused_during_jaxpi` is false in the report).
 """
 
 from __future__ import annotations
