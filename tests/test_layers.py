@@ -26,6 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
             "jaxpi.hf_schema",
             "jaxpi.lazy",
             "jaxpi.atomic",
+            "jaxpi.host",
             "jaxpi.configfile",
             "jaxpi.compile_cache",
             "jaxpi.axes",
