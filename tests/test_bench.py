@@ -204,6 +204,17 @@ def test_decode(capsys, reports):
         ):
             assert f == pytest.approx(total * (4 / s) / bw)
         assert 0 < j["bandwidth_fraction"]["median"] < 1
+        # per decode step: each call less the one-token call after it, over the other 3 steps
+        _check_figure(j["one_token_call_s"])
+        for f, step, s, s1, bw in zip(
+            j["bandwidth_fraction_per_step"]["values"],
+            j["decode_step_s"]["values"],
+            j["call_s"]["values"],
+            j["one_token_call_s"]["values"],
+            v["bandwidth_adjacent"]["values"],
+            strict=True,
+        ):
+            assert step == pytest.approx((s - s1) / 3) and f == pytest.approx(total / step / bw)
     assert rep["env"]["cpu_model"] is None or isinstance(rep["env"]["cpu_model"], str)
 
 

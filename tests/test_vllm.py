@@ -231,8 +231,14 @@ def test_bench_decode_against_vllm(server, model_dir, capsys):
         for name in ("jaxpi", "vllm"):
             e = v[name]
             assert e["generated_tokens"] == 6 * int(b)
-            for fig in (e["call_s"], e["tokens_per_s"], e["bandwidth_fraction"]):
+            for fig in (e["call_s"], e["tokens_per_s"], e["bandwidth_fraction"], e["one_token_call_s"]):
                 assert fig["repeats"] == 2 and 0 < fig["min"] <= fig["median"] <= fig["max"]
+            assert e["decode_step_s"]["values"] == pytest.approx(
+                [
+                    (a - b) / 5
+                    for a, b in zip(e["call_s"]["values"], e["one_token_call_s"]["values"], strict=True)
+                ]
+            )
         j, w = v["jaxpi"]["call_s"]["values"], v["vllm"]["call_s"]["values"]
         assert v["speedup_pairs"]["values"] == pytest.approx([a / b for a, b in zip(w, j, strict=True)])
         assert v["speedup_tokens_per_s"] == pytest.approx(

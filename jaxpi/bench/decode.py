@@ -3,8 +3,7 @@ against the memory-bandwidth limit and, with `vs="vllm"`, against vLLM on the sa
 
 Random weights of the bench model (or a given checkpoint), a short random prompt per row, greedy
 sampling of a fixed number of new tokens (no stop tokens, so every row runs to its budget). One
-timed call is one `generate`: the prompt's prefill plus the decode loop; with prompts of a few
-tokens the figure is the decode rate.
+timed call is one `generate`: the prompt's prefill plus the decode loop.
 
 Bandwidth: a decode step at a small batch is bound by the bytes it must move, not by arithmetic.
 `step_bytes` counts them (every weight read once, each row's embedding row, the cache rows read
@@ -12,7 +11,11 @@ and written), and the fraction of the limit is
 
     bytes per step × steps per second / copy bandwidth      (`jaxpi.bench.bandwidth`)
 
-with the copy bandwidth probed right before each jaxpi repeat, in the same process. With vLLM,
+with the copy bandwidth probed right before each jaxpi repeat, in the same process. Two rates of
+steps: the whole call's (new tokens over the call's time, prefill included: `bandwidth_fraction`)
+and the decode step's (`bandwidth_fraction_per_step`): each timed call is followed by the same call
+for one new token, and a step takes (call - one-token call) / (new tokens - 1), the time per
+output token after the first as vLLM's benchmarks count it; both engines are timed so. With vLLM,
 both engines run on one bf16 checkpoint and the same prompts, their timed repeats alternating
 (jaxpi, vLLM, jaxpi, ...), so a pair of repeats runs under about the same load. A vLLM server
 started here is stopped (SIGSTOP to its process group) during jaxpi's turns and the bandwidth
@@ -294,18 +297,22 @@ def _one_batch(
     engine = JaxEngine(model, max_len=max_len, batch_size=b)
     outputs: dict[str, list] = {"jaxpi": [], "vllm": []}
 
-    def call(eng: Any, name: str) -> Callable[[], int]:
+    def call(eng: Any, name: str, sampling: SamplingParams) -> Callable[[], int]:
         def run() -> int:
             (pauser.pause if name == "jaxpi" else pauser.resume)()
-            done = eng.generate(prompts, params)
-            outputs[name] = [c.token_ids for c in done]
+            done = eng.generate(prompts, sampling)
+            if sampling is params:
+                outputs[name] = [c.token_ids for c in done]
             return sum(len(c.token_ids) for c in done)
 
         return run
 
-    fns = {"jaxpi": call(engine, "jaxpi")}
-    if veng is not None:
-        fns["vllm"] = call(veng, "vllm")
+    engines = {"jaxpi": engine} if veng is None else {"jaxpi": engine, "vllm": veng}
+    fns: dict[str, Callable[[], int]] = {}
+    for name, eng in engines.items():
+        fns[name] = call(eng, name, params)
+        if new_tokens > 1:  # the same prompts for one new token: the prefill and the first token
+            fns[f"{name}/1"] = call(eng, name, SamplingParams(temperature=0.0, max_new_tokens=1))
     adjacent: list[float] = []
 
     def before(name: str, _: int) -> None:
@@ -316,7 +323,7 @@ def _one_batch(
     times, first = interleaved(fns, warmup=bench.warmup, repeats=bench.repeats, before=before, progress=say)
     nbytes = step_bytes(model, batch=b, context=prompt_len + (new_tokens - 1) / 2, max_len=max_len)
     res: dict[str, Any] = {"bytes_per_step": nbytes, "bandwidth_adjacent": figure(adjacent)}
-    for name in fns:
+    for name in engines:
         generated = sum(len(t) for t in outputs[name])
         steps = [new_tokens / t for t in times[name]]
         res[name] = {
@@ -330,11 +337,27 @@ def _one_batch(
             ),
             "first_call_s": first[name],
         }
+        if new_tokens > 1:
+            # A decode step's time: the call less the same call for one new token, over the other
+            # new_tokens - 1 steps (the prefill and first token taken out, as vLLM's time per
+            # output token); the repeats of the two calls pair up in order.
+            step_s = [
+                (t - t1) / (new_tokens - 1) for t, t1 in zip(times[name], times[f"{name}/1"], strict=True)
+            ]
+            res[name] |= {
+                "one_token_call_s": figure(times[f"{name}/1"]),
+                "decode_step_s": figure(step_s),
+                "bandwidth_fraction_per_step": figure(
+                    [nbytes["total"] / s / bw for s, bw in zip(step_s, adjacent, strict=True)]
+                ),
+            }
     if veng is not None:
         j, v = res["jaxpi"], res["vllm"]
         # > 1: jaxpi generates more tokens per second than vLLM
         res["speedup_tokens_per_s"] = j["tokens_per_s"]["median"] / v["tokens_per_s"]["median"]
         res["speedup_pairs"] = pair_ratios(times["vllm"], times["jaxpi"])
+        if new_tokens > 1:  # > 1: jaxpi's decode step is the shorter
+            res["speedup_decode_step"] = v["decode_step_s"]["median"] / j["decode_step_s"]["median"]
         res["greedy_agreement"] = greedy_agreement(outputs["jaxpi"], outputs["vllm"])
     del engine
     jax.clear_caches()

@@ -99,6 +99,11 @@ def format_table(report: dict[str, Any]) -> str:
                         f"  batch {b:>3}  {name:<5}  {_f(e['tokens_per_s'])} tokens/s   call {_f(e['call_s'])} s   "
                         f"{_f(e['bandwidth_fraction'], 100, '{:.1f}')} % of the bandwidth limit"
                     )
+                    if "decode_step_s" in e:
+                        lines.append(
+                            f"                    decode step {_f(e['decode_step_s'], 1e3, '{:.2f}')} ms   "
+                            f"{_f(e['bandwidth_fraction_per_step'], 100, '{:.1f}')} % of the limit per step"
+                        )
             lines.append(
                 f"             {v['bytes_per_step']['total'] / 1e6:.1f} MB per step, bandwidth next to each "
                 f"repeat {_f(v['bandwidth_adjacent'], 1e-9)} GB/s"

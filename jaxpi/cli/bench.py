@@ -134,7 +134,7 @@ GDN_FLAGS = (
 SUBCOMMANDS = {
     "train-step": "the LoRA SFT step: tokens/s, FLOP/s, MFU against the measured matmul peak",
     "gdn": "the chunked gated delta rule alone, fwd and fwd+bwd, against transformers' torch function",
-    "decode": "the embedded engine's decode tokens/s and bandwidth fraction at several batch sizes (--vs vllm)",
+    "decode": "the embedded engine's decode tokens/s, time per decode step and bandwidth fraction at several batch sizes (--vs vllm)",
     "compile": "compile time of the train step at several depths",
     "all": "every benchmark above in one run",
     "profile": "trace the jaxpi train step (or the decode loop) and sum op time by model part (jax.profiler)",
