@@ -399,7 +399,15 @@ def fleet_runs(sft_dir, ray_cluster, tmp_path_factory):
     addr, env = ray_cluster
     root = tmp_path_factory.mktemp("fleet")
     fleet = ("collect.backend=ray", f"collect.ray_address={addr}")
-    asyn = (*fleet, "train.async=true", "collect.max_staleness=1")
+    # The asynchronous runs are compared with each other only: no evaluation collections, and one
+    # rollout worker each (the fleet's waves and a lost worker are the synchronous run's checks).
+    asyn = (
+        *fleet,
+        "train.async=true",
+        "collect.max_staleness=1",
+        "train.eval_group=0",
+        "collect.ray_workers=1",
+    )
     log = (root / "sync.stderr").open("w")
     p = subprocess.Popen(
         command(sft_dir, root / "sync", *fleet), env=env, stdout=subprocess.PIPE, stderr=log, text=True
@@ -418,10 +426,11 @@ def fleet_runs(sft_dir, ray_cluster, tmp_path_factory):
     _stdout, _ = p.communicate(timeout=900)
     log.close()
     assert p.returncode == 0, (root / "sync.stderr").read_text()[-3000:]
-    straight = subprocess.run(
-        command(sft_dir, root / "async", *asyn), env=env, capture_output=True, text=True, timeout=900
+    # The two asynchronous runs side by side, each on a worker of its own.
+    straight_log = (root / "async.stderr").open("w")
+    p_straight = subprocess.Popen(
+        command(sft_dir, root / "async", *asyn), env=env, stdout=subprocess.DEVNULL, stderr=straight_log
     )
-    assert straight.returncode == 0, straight.stderr[-3000:]
     p_killed = subprocess.Popen(
         command(sft_dir, root / "async-killed", *asyn),
         env=env,
@@ -429,6 +438,9 @@ def fleet_runs(sft_dir, ray_cluster, tmp_path_factory):
         stderr=subprocess.DEVNULL,
     )
     kill_after(p_killed, root / "async-killed", 1)
+    p_straight.wait(timeout=900)
+    straight_log.close()
+    assert p_straight.returncode == 0, (root / "async.stderr").read_text()[-3000:]
     return {
         "sync": root / "sync",
         "sync_stderr": (root / "sync.stderr").read_text(),
@@ -478,7 +490,10 @@ def test_async_run_trains_on_one_version_stale_attempts(fleet_runs, sft_dir):
     train = [a for a in lines(out / "attempts.jsonl") if a["split"] == "train"]
     # Collection s is sampled by the policy after s - 1 updates (the first by the first policy).
     assert {(a["step"], a["policy_version"]) for a in train} == {(0, 0), (1, 0)}
-    records = lines(out / "metrics.jsonl")[1:]
+    records = lines(out / "metrics.jsonl")  # no evaluation: no step-0 record
+    assert [r["step"] for r in records] == [1, 2] and not any(
+        k.startswith("eval/") for r in records for k in r
+    )
     assert [r["staleness/max"] for r in records] == [0.0, 1.0]
     assert records[1]["staleness/1"] == 12 and records[1]["admitted"] == sum(
         a["admitted"] for a in train if a["step"] == 1
