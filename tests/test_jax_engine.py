@@ -5,7 +5,6 @@ unrolled tail, so both cache layouts are masked per row), adapters with non-zero
 """
 
 import dataclasses
-import re
 
 import jax
 import jax.extend
@@ -324,56 +323,99 @@ def test_a_bf16_engine_on_the_cpu_reads_its_weights_and_cache_as_stored():
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """HLO text split into its computations, by name (ENTRY's under "ENTRY")."""
-    out, name = {}, None
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):
-            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            out[name] = ""
-        elif name is not None:
-            out[name] += line + "\n"
-    return out
-
-
-def test_a_long_bf16_decode_packs_its_weights_once_before_the_loop(monkeypatch):
-    """At 5-256 rows a bf16 decode call of >= PACK_MIN_STEPS steps uses the packed kernel (where the
-    CPU has AVX-512 BF16) with the weights packed outside the while loop, once per call; a short or
-    streaming call does not pack. Its greedy tokens follow the unpacked engine's (a different
-    float32 summation order: bf16 near-ties may part them late)."""
+def _bf16_model(seed: int = 4):
     from jaxpi.config import FULL, LINEAR
     from jaxpi.hf_fixtures import random_jax_model
-    from jaxpi.kernels.cpu import rows
-    from jaxpi.rollout.jax_engine import PACK_MIN_STEPS
 
-    m = random_jax_model(TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL)), 4, "bfloat16")
-    engine = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))
-    long = SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS)
-    short = SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS // 2)
-    assert rows.PACKED_TARGET not in engine.decode_hlo(short)
+    return random_jax_model(TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL)), seed, "bfloat16")
+
+
+def test_a_bf16_engine_reads_packed_twins_of_its_weights(monkeypatch):
+    """Where the CPU has AVX-512 BF16, a bf16 engine packs its projection weights and LM head once,
+    when built (`jaxpi.models.packed`), and every product of its decode loop (1 to 256 rows) reads
+    those twins: nothing is packed per call, the caller's model is left without twins, and a turn
+    streamed 4 tokens per call gives one call's tokens exactly. Its greedy tokens follow an engine
+    without twins (XLA's and the few-rows kernel's float32 sums: bf16 near-ties may part them
+    late); with no room for a second copy of the weights it has none."""
+    from jaxpi.kernels.cpu import rows
+    from jaxpi.models.packed import PackedWeight
+
+    m = _bf16_model()
     if not rows.packed_available():
         pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
-    comps = _computations(engine.decode_hlo(long))
-    bodies = {c for text in comps.values() for c in re.findall(r"body=%?([\w.\-]+)", text)}
-    packs = [c for c, text in comps.items() if rows.PACK_TARGET in text]
-    products = [c for c, text in comps.items() if rows.PACKED_TARGET in text]
-    assert packs and products and not set(packs) & bodies, (packs, bodies)
-    assert set(products) <= bodies | {c for c in comps if c not in packs}
+    long = SamplingParams(temperature=0.0, max_new_tokens=24)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7], [1], [8, 8, 8]]
-    packed = engine.generate(prompts, long)
-    sessions = engine.start(prompts)  # the same turn streamed 4 tokens per call: not packed
+    monkeypatch.setattr("jaxpi.rollout.jax_engine.available_memory", lambda: 0)
+    plain = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))  # no room: no twins
+    assert not plain.packed_twins and rows.PACKED_TARGET not in plain.decode_hlo(long)
+    reference = plain.generate(prompts, long)
+    monkeypatch.undo()
+    for batch in (1, 6):
+        engine = JaxEngine(m, max_len=48, batch_size=batch, prefill_chunks=(4, 1))
+        assert engine.packed_twins
+        hlo = engine.decode_hlo(long)
+        assert rows.PACKED_TARGET in hlo and rows.PACK_TARGET not in hlo and rows.TARGET not in hlo
+    assert not any(isinstance(v, PackedWeight) for _, v in nnx.to_flat_state(nnx.state(m)))
+    one_call = engine.generate(prompts, long)
+    sessions = engine.start(prompts)  # the same turn streamed 4 tokens per call
     try:
-        plain = engine._turn(sessions, [[]] * len(prompts), long, range(len(prompts)), lambda *_: None, 4)
+        streamed = engine._turn(sessions, [[]] * len(prompts), long, range(len(prompts)), lambda *_: None, 4)
     finally:
         engine.close(sessions)
-    for a, b in zip(packed, plain, strict=True):
+    assert [c.token_ids for c in streamed] == [c.token_ids for c in one_call]
+    assert [c.logprobs for c in streamed] == [c.logprobs for c in one_call]
+    for a, b in zip(one_call, reference, strict=True):
         n = common_prefix(a.token_ids, b.token_ids)
         assert n >= 4, (a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
-    # no room for a second copy of the weights: no packing
-    monkeypatch.setattr("jaxpi.rollout.jax_engine.available_memory", lambda: 0)
-    tight = JaxEngine(m, max_len=48, batch_size=6, prefill_chunks=(4, 1))
-    assert rows.PACKED_TARGET not in tight.decode_hlo(long)
+
+
+def test_packed_twins_follow_new_base_weights_and_not_adapters():
+    """After `update_weights` with other base weights (a model, or its Params alone) the engine
+    decodes as one built on them, bit for bit (its twins packed anew); adapters alone leave the
+    twins as they were and decode as an engine built on the adapted model."""
+    from jaxpi.kernels.cpu import rows
+    from jaxpi.models import packed
+
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    a, b = _bf16_model(4), _bf16_model(5)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine = JaxEngine(a, max_len=32, batch_size=2, prefill_chunks=(4, 1))
+
+    def twins(e: JaxEngine) -> list[np.ndarray]:
+        flat = nnx.to_flat_state(e._state)
+        return [np.asarray(v.get_value()) for _, v in flat if isinstance(v, packed.PackedWeight)]
+
+    def same(x: list[Completion], y: list[Completion]) -> None:
+        assert [c.token_ids for c in x] == [c.token_ids for c in y]
+        assert [c.logprobs for c in x] == [c.logprobs for c in y]
+
+    before = twins(engine)
+    engine.update_weights(b)
+    same(
+        engine.generate(prompts, params),
+        JaxEngine(b, max_len=32, batch_size=2, prefill_chunks=(4, 1)).generate(prompts, params),
+    )
+    engine.update_weights(nnx.state(a, nnx.Param))
+    same(
+        engine.generate(prompts, params),
+        JaxEngine(a, max_len=32, batch_size=2, prefill_chunks=(4, 1)).generate(prompts, params),
+    )
+    assert all(np.array_equal(x, y) for x, y in zip(twins(engine), before, strict=True))
+    lora_a, lora_b = _bf16_model(4), _bf16_model(4)
+    for m in (lora_a, lora_b):
+        add_lora(m, LoraConfig(rank=4, alpha=8.0))
+    randomize_lora(lora_b, seed=3, scale=0.5)
+    engine = JaxEngine(lora_a, max_len=32, batch_size=2, prefill_chunks=(4, 1))
+    before = twins(engine)
+    engine.update_weights(nnx.state(lora_b, LoRAParam))
+    assert all(np.array_equal(x, y) for x, y in zip(twins(engine), before, strict=True))
+    same(
+        engine.generate(prompts, params),
+        JaxEngine(lora_b, max_len=32, batch_size=2, prefill_chunks=(4, 1)).generate(prompts, params),
+    )
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)

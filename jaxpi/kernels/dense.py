@@ -82,6 +82,23 @@ def _native_kernel(m: int) -> Callable[[jax.Array, jax.Array], jax.Array] | None
     return None
 
 
+def packed_product(
+    eq: str, x: jax.Array, packed: jax.Array, shape: tuple[int, ...], *, n_in: int = 1
+) -> jax.Array | None:
+    """`dense(eq, x, w)` from w's packed twin (`rows.pack` of w `shape` as `[K, N]`,
+    `jaxpi.models.packed`) on the packed kernel, in x's dtype; None where that kernel does not take
+    this product (more than `PACKED_ROWS` rows, not bf16, under a mesh): the caller then uses w."""
+    if x.dtype != jnp.bfloat16 or current_resolver() is not None or not _rows_times_weight(eq, n_in):
+        return None
+    lead = x.shape[: x.ndim - n_in]
+    m = math.prod(lead)
+    if not 1 <= m <= PACKED_ROWS or not rows.packed_available():
+        return None
+    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    y = rows.packed_bf16(x.reshape(m, k), packed, n)
+    return y.reshape(*lead, *shape[n_in:]).astype(x.dtype)
+
+
 def dense(eq: str, x: jax.Array, w: jax.Array, *, n_in: int = 1) -> jax.Array:
     """`einsum(eq, x, w)` with float32 accumulation, in x's dtype. `eq` contracts the last `n_in`
     axes of x with leading axes of w; x's other axes are rows (e.g. "btd,df->btf", n_in 1)."""

@@ -22,10 +22,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpi.config import FULL, QwenConfig, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
-from jaxpi.kernels.dense import dense
+from jaxpi.kernels.dense import dense, packed_product
 from jaxpi.kernels.dtypes import upcast
 from jaxpi.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 from jaxpi.kernels.norms import gated_rms_norm, rms_norm
+from jaxpi.models import packed as packed_twins
 from jaxpi.models.adapters import adapter_for
 from jaxpi.models.params import Init, constant, constrain, log_uniform, normal, param
 from jaxpi.models.quantized import QuantizedWeight, base_einsum
@@ -81,7 +82,11 @@ def project(
     arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights.
     """
     w = getattr(mod, proj)
-    if inference and not isinstance(w, QuantizedWeight):
+    twin = getattr(mod, packed_twins.name(proj), None) if inference else None
+    y = None if twin is None else packed_product(eq, x, twin[...], w.shape, n_in=n_in)
+    if y is not None:
+        pass  # the engine's packed twin of w (`jaxpi.models.packed`)
+    elif inference and not isinstance(w, QuantizedWeight):
         y = dense(eq, x, w[...], n_in=n_in)
     else:
         y = base_einsum(mod, proj, eq, x)  # a dense Param or a quantized base weight

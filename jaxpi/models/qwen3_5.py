@@ -22,8 +22,9 @@ from flax import nnx
 
 from jaxpi.config import QwenConfig
 from jaxpi.kernels.attention import rope_tables
-from jaxpi.kernels.dense import dense
+from jaxpi.kernels.dense import dense, packed_product
 from jaxpi.kernels.norms import rms_norm
+from jaxpi.models import packed as packed_twins
 from jaxpi.models.layers import DecoderLayer, init_layer_cache, norm_init
 from jaxpi.models.params import constrain, normal, param
 
@@ -165,7 +166,12 @@ class Qwen3_5ForCausalLM(nnx.Module):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         # Logits in the activation dtype (as transformers); the loss upcasts to float32.
         with jax.named_scope("lm_head"):
-            logits = dense("btd,dv->btv", hidden, w) if inference else jnp.einsum("btd,dv->btv", hidden, w)
+            twin = getattr(self, packed_twins.LM_HEAD, None) if inference else None
+            logits = None if twin is None else packed_product("btd,dv->btv", hidden, twin[...], w.shape)
+            if logits is None:
+                logits = (
+                    dense("btd,dv->btv", hidden, w) if inference else jnp.einsum("btd,dv->btv", hidden, w)
+                )
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def hidden_states(

@@ -40,6 +40,7 @@ from flax import nnx
 from jaxpi.host import available_memory
 from jaxpi.kernels.cpu import rows
 from jaxpi.kernels.dense import NATIVE_ROWS, packing
+from jaxpi.models import packed as packed_twins
 from jaxpi.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxpi.models.unstack import unstack_layers, unstack_state
 from jaxpi.rollout.engine import Completion, SamplingParams, Session
@@ -48,8 +49,8 @@ from jaxpi.rollout.sampling import sample_tokens
 # Backends on which the engine unstacks the layer groups and keeps a 16-bit model's KV cache in
 # float32 by default (see `JaxEngine`).
 UNSTACK_ON = ("cpu",)
-# Decode calls of at least this many steps may use the packed CPU kernel for products of 5-256 rows
-# (`jaxpi.kernels.dense.packing`): packing every weight once per call (~26 ms for the bench's
+# Without packed twins (see `JaxEngine`), decode calls of at least this many steps may use the packed
+# CPU kernel for products of 5-256 rows (`jaxpi.kernels.dense.packing`): packing every weight once per call (~26 ms for the bench's
 # 181 M-parameter model, on top of a 64-step call of ~1.6 s at batch 16) pays back within a few
 # steps; a streaming call of `interval` steps does not pack. The engine packs only where the
 # machine has memory for a second copy of its bf16 weights (`available_memory`).
@@ -112,6 +113,14 @@ def _bf16_bytes(state: nnx.State) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(state) if getattr(a, "dtype", None) == jnp.bfloat16)
 
 
+def _changes_base(state: nnx.State) -> bool:
+    """Whether a (partial) state may hold base weights: any `nnx.Param` or bare array (adapters
+    alone, `LoRAParam`s, leave the packed twins as they are)."""
+    return any(
+        not isinstance(v, nnx.Variable) or isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(state)
+    )
+
+
 def _fits_twice(nbytes: int, available: int | None) -> bool:
     """Whether a second copy of `nbytes` takes at most half the available memory (None: unknown,
     taken as room)."""
@@ -138,9 +147,13 @@ class JaxEngine:
     every weight per prefill call and per decode call). Off, the engine shares the caller's
     arrays and pays those copies.
 
-    On a CPU with AVX-512 BF16, a bf16 engine of more than 4 rows packs its weights for the native
-    kernel of 5-256 rows in each decode call of at least `PACK_MIN_STEPS` steps (a second copy of
-    the bf16 weights for the call, made only where the machine has the memory for it).
+    On a CPU with AVX-512 BF16 (unstacked), a bf16 engine packs its projection weights and its LM
+    head once, when built and when `update_weights` brings new base weights, into twins
+    (`jaxpi.models.packed`) that every product of 1-256 rows reads through the packed kernel:
+    decode steps at any batch up to 256, prefill chunks, streamed turns (a second copy of the bf16
+    weights, made only where the machine has the memory for it: `packed_twins` says whether).
+    Without twins (`unstack=False`, or no room), a bf16 engine of more than 4 rows packs its weights
+    per decode call of at least `PACK_MIN_STEPS` steps.
     """
 
     def __init__(
@@ -167,14 +180,25 @@ class JaxEngine:
         self.unstacked = jax.default_backend() in UNSTACK_ON if unstack is None else bool(unstack)
         if self.unstacked:
             model = unstack_layers(model)
+        # Where the CPU runs the packed kernel, the bf16 projection weights and the LM head are
+        # packed once, here, into twins every product of 1-256 rows reads (`jaxpi.models.packed`):
+        # a second copy of them, so only where the machine has room for it.
+        bf16 = _bf16_bytes(nnx.state(model))
+        self.packed_twins = bool(
+            self.unstacked and bf16 and rows.packed_available() and _fits_twice(bf16, available_memory())
+        )
+        if self.packed_twins:
+            model = nnx.merge(*nnx.split(model))  # the engine's own modules: the caller's stay as they are
+            packed_twins.attach(model)
         self._graphdef, state = nnx.split(model)
         self._state = _detach(state)
-        # Long decode calls may pack the bf16 weights for the CPU kernel of 5-256 rows: a second
-        # copy of them for the call, so only where the machine has room for it.
+        # Without twins, long decode calls may pack the bf16 weights for the kernel of 5-256 rows
+        # per call (a second copy of them for the call, so only where there is room for it).
         self._pack = (
-            batch_size > NATIVE_ROWS
+            not self.packed_twins
+            and batch_size > NATIVE_ROWS
             and rows.packed_available()
-            and _fits_twice(_bf16_bytes(self._state), available_memory())
+            and _fits_twice(bf16, available_memory())
         )
         if dtype is None and jax.default_backend() in UNSTACK_ON and jnp.dtype(model.dtype).itemsize < 4:
             # XLA:CPU converts a 16-bit cache to float32 whole for each write (a scatter) and
@@ -263,12 +287,18 @@ class JaxEngine:
         """Use new weights from now on: a model of the same structure, or a (partial) state such
         as `nnx.state(model, LoRAParam)`. Shapes and dtypes must match, so nothing recompiles."""
         if isinstance(model_or_state, nnx.Module):
-            _, state = nnx.split(unstack_layers(model_or_state) if self.unstacked else model_or_state)
+            model = unstack_layers(model_or_state) if self.unstacked else model_or_state
+            if self.packed_twins:
+                model = nnx.merge(*nnx.split(model))
+                packed_twins.attach(model)
+            _, state = nnx.split(model)
         else:
             if self.unstacked:
                 model_or_state = unstack_state(self._source_cfg, model_or_state)
             current = nnx.merge(self._graphdef, _detach(self._state))
             nnx.update(current, model_or_state)
+            if self.packed_twins and _changes_base(model_or_state):
+                packed_twins.attach(current)  # the base weights moved: their twins are packed anew
             _, state = nnx.split(current)
         state = _detach(state)
         old = jax.tree_util.tree_flatten_with_path(self._state)[0]
