@@ -17,7 +17,8 @@ float32 sums (the last bits), not the arithmetic:
   (`jaxpi.kernels.cpu.rows`: the weight read once, as stored, float32 sums), and products of up
   to `PACKED_ROWS` rows, inside `packing()` (the engine's decode loop), to its AVX-512 BF16 kernel
   over the weight packed per strip of 32 columns where the CPU has those instructions (1.3-1.5x
-  XLA's product at 16-256 rows).
+  XLA's product at 16-256 rows). The embedded engine keeps its weights packed once, in twins
+  (`jaxpi.models.packed`), and `packed_product` takes any product of 1-256 rows from a twin.
 
 Inside the engine's decode loop XLA hoists those float32 copies out of the loop: each call wrote a
 float32 copy of every weight (twice the model's bytes) and each step read it. Weights of float32
