@@ -370,6 +370,24 @@ def test_a_bf16_engine_reads_packed_twins_of_its_weights(monkeypatch):
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
 
 
+def test_without_twins_a_long_decode_of_many_rows_packs_per_call():
+    """An engine without twins (here: the layers left stacked) packs its weights per decode call
+    of >= PACK_MIN_STEPS steps at 5-256 rows, and not in a shorter call."""
+    from jaxpi.kernels.cpu import rows
+    from jaxpi.rollout.jax_engine import PACK_MIN_STEPS
+
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    engine = JaxEngine(_bf16_model(), max_len=48, batch_size=6, prefill_chunks=(4, 1), unstack=False)
+    assert not engine.packed_twins
+    assert rows.PACK_TARGET in engine.decode_hlo(
+        SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS)
+    )
+    assert rows.PACK_TARGET not in engine.decode_hlo(
+        SamplingParams(temperature=0.0, max_new_tokens=PACK_MIN_STEPS // 2)
+    )
+
+
 def test_packed_twins_follow_new_base_weights_and_not_adapters():
     """After `update_weights` with other base weights (a model, or its Params alone) the engine
     decodes as one built on them, bit for bit (its twins packed anew); adapters alone leave the

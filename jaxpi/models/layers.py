@@ -82,13 +82,11 @@ def project(
     arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights.
     """
     w = getattr(mod, proj)
-    twin = getattr(mod, packed_twins.name(proj), None) if inference else None
+    twin = getattr(mod, packed_twins.name(proj), None) if inference else None  # the engine's
     y = None if twin is None else packed_product(eq, x, twin[...], w.shape, n_in=n_in)
-    if y is not None:
-        pass  # the engine's packed twin of w (`jaxpi.models.packed`)
-    elif inference and not isinstance(w, QuantizedWeight):
+    if y is None and inference and not isinstance(w, QuantizedWeight):
         y = dense(eq, x, w[...], n_in=n_in)
-    else:
+    elif y is None:
         y = base_einsum(mod, proj, eq, x)  # a dense Param or a quantized base weight
     name = hf or proj
     if _TAPS is not None:
