@@ -91,6 +91,22 @@ def test_packed_against_float64(m, k, n, scale, seed):
 
 
 @needs_bf16
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(m=st.integers(1, 4), k=st.integers(1, 300), n=st.integers(65, 3000), seed=st.integers(0, 3))
+def test_few_rows_read_strips_side_by_side_with_the_bits_of_one_at_a_time(m, k, n, seed):
+    """Up to 4 rows the kernel reads two strips at once (runs of strips claimed per thread); the
+    rows of an 8-row product (one strip at a time) are the same bits, and both are near float64."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    packed = rows.pack(w)
+    few = np.asarray(rows.packed_bf16(x[:m], packed, n))
+    np.testing.assert_array_equal(few, np.asarray(rows.packed_bf16(x, packed, n))[:m], err_msg=f"m={m} k={k} n={n}")
+    xd, wd = np.asarray(x[:m], np.float64), np.asarray(w, np.float64)
+    assert np.all(np.abs(few - xd @ wd) <= k * 2.0**-24 * (np.abs(xd) @ np.abs(wd)))
+
+
+@needs_bf16
 def test_packed_flushes_below_the_normal_range_and_checks_its_operands():
     """vdpbf16ps treats inputs below 2^-126 as zero: the documented difference from XLA's product."""
     one = rows.pack(jnp.ones((4, 3), jnp.bfloat16))

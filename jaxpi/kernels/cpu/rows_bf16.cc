@@ -154,15 +154,25 @@ JAXPI_AVX512 void unsplit(float* y, int64_t m_rows, int64_t n_dim) {
 // of vdpbf16ps as it stands (16 columns, two bf16 per float32 lane). x's pair x[m, 2p], x[m, 2p+1]
 // is broadcast as one 32-bit value; the float32 sums of up to 8 rows × 32 columns stay in registers
 // over the whole of K. vdpbf16ps treats inputs and sums below 2^-126 as zero.
-template <int MR>
+//
+// Up to 4 rows, S = 2 strips are read side by side (two streams per thread, each column's sum in
+// the same order as alone): one stream per thread left the weight streaming at ~50 GB/s where two
+// reach ~60 on the 2-core AVX-512 machine (docs/performance.md); 4 streams were slower again.
+constexpr int kSideBySideRows = 4;
+
+template <int MR, int S>
 JAXPI_AVX512_BF16 void packed_rows(
     const uint16_t* x, int64_t k_dim, const uint16_t* strip, int64_t pairs, float* y, int64_t n_dim) {
-  __m512 acc[2 * MR];
-  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[2 * MR * S];
+  for (int i = 0; i < 2 * MR * S; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t whole = k_dim / 2;  // pairs with both x values in x (K odd: the last has one)
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh lo = (__m512bh)_mm512_loadu_si512(strip + p * 64);
-    const __m512bh hi = (__m512bh)_mm512_loadu_si512(strip + p * 64 + 32);
+    __m512bh lo[S], hi[S];
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) {
+      lo[s] = (__m512bh)_mm512_loadu_si512(strip + s * pairs * 64 + p * 64);
+      hi[s] = (__m512bh)_mm512_loadu_si512(strip + s * pairs * 64 + p * 64 + 32);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       uint32_t pair;
@@ -172,13 +182,18 @@ JAXPI_AVX512_BF16 void packed_rows(
         pair = x[m * k_dim + 2 * p];  // the last, odd row of K: its partner is the packing's zero
       }
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], lo, xb);
-      acc[2 * m + 1] = _mm512_dpbf16_ps(acc[2 * m + 1], hi, xb);
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) {
+        acc[2 * (m * S + s)] = _mm512_dpbf16_ps(acc[2 * (m * S + s)], lo[s], xb);
+        acc[2 * (m * S + s) + 1] = _mm512_dpbf16_ps(acc[2 * (m * S + s) + 1], hi[s], xb);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(y + m * n_dim, acc[2 * m]);
-    _mm512_storeu_ps(y + m * n_dim + 16, acc[2 * m + 1]);
+    for (int s = 0; s < S; ++s) {
+      _mm512_storeu_ps(y + m * n_dim + 32 * s, acc[2 * (m * S + s)]);
+      _mm512_storeu_ps(y + m * n_dim + 32 * s + 16, acc[2 * (m * S + s) + 1]);
+    }
   }
 }
 
@@ -191,15 +206,29 @@ JAXPI_AVX512_BF16 void packed_strip(
     const uint16_t* xs = x + m0 * k_dim;
     float* ys = y + m0 * n_dim + c * 32;
     switch (std::min<int64_t>(8, m_dim - m0)) {
-      case 1: packed_rows<1>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 2: packed_rows<2>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 3: packed_rows<3>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 4: packed_rows<4>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 5: packed_rows<5>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 6: packed_rows<6>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      case 7: packed_rows<7>(xs, k_dim, strip, pairs, ys, n_dim); break;
-      default: packed_rows<8>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 1: packed_rows<1, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 2: packed_rows<2, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 3: packed_rows<3, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 4: packed_rows<4, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 5: packed_rows<5, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 6: packed_rows<6, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      case 7: packed_rows<7, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
+      default: packed_rows<8, 1>(xs, k_dim, strip, pairs, ys, n_dim); break;
     }
+  }
+}
+
+// All (1 to kSideBySideRows) rows of x times strips c and c + 1, side by side.
+JAXPI_AVX512_BF16 void packed_strip_pair(
+    const uint16_t* x, int64_t m_dim, int64_t k_dim, const uint16_t* wp, int64_t pairs, float* y, int64_t n_dim,
+    int64_t c) {
+  const uint16_t* strip = wp + c * pairs * 64;
+  float* ys = y + c * 32;
+  switch (m_dim) {
+    case 1: packed_rows<1, 2>(x, k_dim, strip, pairs, ys, n_dim); break;
+    case 2: packed_rows<2, 2>(x, k_dim, strip, pairs, ys, n_dim); break;
+    case 3: packed_rows<3, 2>(x, k_dim, strip, pairs, ys, n_dim); break;
+    default: packed_rows<4, 2>(x, k_dim, strip, pairs, ys, n_dim); break;
   }
 }
 
@@ -296,20 +325,40 @@ ffi::Error RowsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// The strips, claimed one by one by the calling thread and its helpers; each writes its own
-// columns of y, every element summed over k in pairs in one order: the same bits whichever thread
-// ran it. The caller returns only when every strip is done.
+// The strips, claimed in runs by the calling thread and its helpers; each writes its own columns
+// of y, every element summed over k in pairs in one order: the same bits whichever thread ran it.
+// A claim takes a run of strips that follow each other in memory, a quarter of what is left per
+// thread (at least one strip): the first runs are long streams the hardware prefetchers follow
+// across strips, the last ones short so the threads finish together (one strip per claim streamed
+// ~15 % slower). The caller returns only when every strip is done.
 struct Strips {
   const uint16_t* x;
   const uint16_t* wp;
   float* y;
-  int64_t m, k, pairs, strips;
+  int64_t m, k, pairs, strips, threads;
   std::atomic<int64_t> next{0}, done{0};
 
+  bool claim(int64_t& c0, int64_t& c1) {
+    int64_t cur = next.load(std::memory_order_relaxed);
+    while (cur < strips) {
+      const int64_t take = std::max<int64_t>(1, (strips - cur) / (2 * threads));
+      if (next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed)) {
+        c0 = cur;
+        c1 = cur + take;
+        return true;
+      }
+    }
+    return false;
+  }
+
   void run() {
-    for (int64_t c; (c = next.fetch_add(1)) < strips;) {
-      avx512::packed_strip(x, m, k, wp, pairs, y, strips * 32, c);
-      done.fetch_add(1, std::memory_order_release);
+    for (int64_t c0, c1; claim(c0, c1);) {
+      int64_t c = c0;
+      if (m <= avx512::kSideBySideRows) {
+        for (; c + 2 <= c1; c += 2) avx512::packed_strip_pair(x, m, k, wp, pairs, y, strips * 32, c);
+      }
+      for (; c < c1; ++c) avx512::packed_strip(x, m, k, wp, pairs, y, strips * 32, c);
+      done.fetch_add(c1 - c0, std::memory_order_release);
     }
   }
 };
@@ -331,6 +380,7 @@ ffi::Error PackedBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   work->k = xd[1];
   work->pairs = wd[1];
   work->strips = wd[0];
+  work->threads = std::max<int64_t>(1, pool.num_threads());
   run_on_pool(pool, work, work->strips);
   return ffi::Error::Success();
 }
