@@ -370,6 +370,43 @@ def test_a_bf16_engine_reads_packed_twins_of_its_weights(monkeypatch):
         np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=0.05)
 
 
+def test_projections_of_one_input_share_a_joint_twin(monkeypatch):
+    """A DeltaNet layer's q, k, v, z, b and a, an attention layer's q, k and v and the MLP's gate
+    and up are packed side by side into one joint twin each (`jaxpi.models.packed.JOINT`): the
+    decode step makes one native product per input where it made one per projection, and decodes
+    bit for bit as the separate twins do (each column summed in the same order)."""
+    import re
+
+    from jaxpi.kernels.cpu import rows
+    from jaxpi.models import packed
+
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    m = _bf16_model()  # one DeltaNet and one attention layer
+    long = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7], [1], [8, 8, 8]]
+
+    def products(e: JaxEngine) -> int:
+        return len(re.findall(rf'custom_call_target="{rows.PACKED_TARGET}"', e.decode_hlo(long)))
+
+    for batch in (1, 6):
+        joint = JaxEngine(m, max_len=32, batch_size=batch, prefill_chunks=(4, 1))
+        slots = {p for p, v in nnx.to_flat_state(joint._state) if isinstance(v, packed.PackedWeight)}
+        names = {"/".join(map(str, p)) for p in slots}
+        assert sum(n.endswith(packed.JOINT_SLOT) for n in names) == 4  # 2 mixers, 2 MLPs
+        assert not any(n.endswith(("packed_q_proj", "packed_gate_proj", "packed_z_proj")) for n in names)
+        # deltanet: joint + out_proj; attention: joint + o_proj; each MLP: joint + down; the head
+        assert products(joint) == 2 + 2 + 2 * 2 + 1
+        with monkeypatch.context() as mp:
+            mp.setattr(packed, "JOINT", ())
+            separate = JaxEngine(m, max_len=32, batch_size=batch, prefill_chunks=(4, 1))
+            assert products(separate) == (6 + 1) + (3 + 1) + 2 * 3 + 1
+        p = prompts[:batch]
+        a, b = joint.generate(p, long), separate.generate(p, long)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert [c.logprobs for c in a] == [c.logprobs for c in b]
+
+
 def test_without_twins_a_long_decode_of_many_rows_packs_per_call():
     """An engine without twins (here: the layers left stacked) packs its weights per decode call
     of >= PACK_MIN_STEPS steps at 5-256 rows, and not in a shorter call."""

@@ -69,6 +69,7 @@ def project(
     n_in: int = 1,
     dropout_key: jax.Array | None = None,
     inference: bool = False,
+    base: jax.Array | None = None,
 ) -> jax.Array:
     """`einsum(eq, x, W)` for the stored projection `proj` (W a dense `Param`, or a quantized base
     weight dequantized on the fly: `jaxpi.models.quantized`), plus the LoRA update `s·(drop(x)·A)·B`
@@ -79,11 +80,12 @@ def project(
     the matmul): asking for a float32 result would make the backward cotangent float32 and promote
     every bf16 weight to a float32 copy in the gradient matmuls. `inference` (a forward on a decode
     cache, never differentiated) asks for it and rounds once (`jaxpi.kernels.dense`): the same
-    arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights.
+    arithmetic, and XLA:CPU's bf16 kernel instead of float32 copies of the weights. `base`, where
+    given, is `x · W` already made (the columns of a joint product, `jaxpi.models.packed.Joint`).
     """
     w = getattr(mod, proj)
-    twin = getattr(mod, packed_twins.name(proj), None) if inference else None  # the engine's
-    y = None if twin is None else packed_product(eq, x, twin[...], w.shape, n_in=n_in)
+    twin = getattr(mod, packed_twins.name(proj), None) if inference and base is None else None  # the engine's
+    y = base if twin is None else packed_product(eq, x, twin[...], w.shape, n_in=n_in)
     if y is None and inference and not isinstance(w, QuantizedWeight):
         y = dense(eq, x, w[...], n_in=n_in)
     elif y is None:
@@ -173,10 +175,12 @@ class MLP(nnx.Module):
         self, x: jax.Array, *, dropout_key: jax.Array | None = None, inference: bool = False
     ) -> jax.Array:
         kw = {"dropout_key": dropout_key, "inference": inference}
+        joint = packed_twins.Joint(self, x, inference=inference)
         # Named for the "mlp" remat policy, which keeps these two (the widest projections) and
         # recomputes the rest; identities under every other policy.
-        gate = checkpoint_name(project(self, "gate_proj", x, "btd,df->btf", **kw), "mlp_gate")
-        up = checkpoint_name(project(self, "up_proj", x, "btd,df->btf", **kw), "mlp_up")
+        gate = project(self, "gate_proj", x, "btd,df->btf", base=joint.base("gate_proj"), **kw)
+        up = project(self, "up_proj", x, "btd,df->btf", base=joint.base("up_proj"), **kw)
+        gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return project(self, "down_proj", hidden, "btf,fd->btd", **kw)
 
@@ -224,10 +228,12 @@ class GatedAttention(nnx.Module):
         cfg, hd = self.cfg, self.cfg.head_dim
         kw = {"dropout_key": dropout_key, "inference": cache is not None}
         with jax.named_scope("qkv"):
-            qg = project(self, "q_proj", x, "btd,dhk->bthk", **kw)  # [B, T, Hq, 2d] (gated) or [.., d]
+            joint = packed_twins.Joint(self, x, inference=cache is not None)
+            # [B, T, Hq, 2d] (gated) or [.., d]
+            qg = project(self, "q_proj", x, "btd,dhk->bthk", base=joint.base("q_proj"), **kw)
             q, gate = qg[..., :hd], qg[..., hd:]
-            k = project(self, "k_proj", x, "btd,dhk->bthk", **kw)
-            v = project(self, "v_proj", x, "btd,dhk->bthk", **kw)
+            k = project(self, "k_proj", x, "btd,dhk->bthk", base=joint.base("k_proj"), **kw)
+            v = project(self, "v_proj", x, "btd,dhk->bthk", base=joint.base("v_proj"), **kw)
             norm = {"impl": cfg.norm_impl, "offset": cfg.norm_offset}
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, axes=Q_AXES, **norm)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, axes=KV_AXES, **norm)
@@ -323,6 +329,7 @@ class GatedDeltaNet(nnx.Module):
         dk, dv, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         kd, vd = nk * dk, nv * dv
         kw_proj = {"dropout_key": dropout_key, "inference": cache is not None}
+        joint = packed_twins.Joint(self, x, inference=cache is not None)  # q, k, v, z, b, a at once
         with jax.named_scope("conv"):
             # The depthwise conv is per channel, so q, k and v are convolved apart: each stays split
             # by its own heads under tensor parallelism (a concatenation would be resharded). The
@@ -331,9 +338,9 @@ class GatedDeltaNet(nnx.Module):
             bounds = np.cumsum([0, kd, kd, vd])
             outs, states = [], []
             for j, (proj, conv, heads, dim) in enumerate(parts):
-                y = project(self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", **kw_proj).reshape(
-                    b, t, heads * dim
-                )
+                y = project(
+                    self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", base=joint.base(proj), **kw_proj
+                ).reshape(b, t, heads * dim)
                 w = getattr(self, conv)[...].reshape(kw, heads * dim)  # [K, channels]
                 st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
                 y, st = causal_conv1d(y, w, segment_ids=segment_ids, state=st)
@@ -344,10 +351,11 @@ class GatedDeltaNet(nnx.Module):
             k = constrain(outs[1], ("batch", "seq", "gdn_k_heads", "head_dim"))
             v = constrain(outs[2], GDN_V_AXES)
         with jax.named_scope("gates"):
+            b_base, a_base = joint.base("b_proj"), joint.base("a_proj")
             beta = jax.nn.sigmoid(
-                upcast(project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", **kw_proj))
+                upcast(project(self, "b_proj", x, "btd,dh->bth", hf="in_proj_b", base=b_base, **kw_proj))
             )
-            a = upcast(project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", **kw_proj))
+            a = upcast(project(self, "a_proj", x, "btd,dh->bth", hf="in_proj_a", base=a_base, **kw_proj))
             g = -jnp.exp(upcast(self.A_log[...])) * jax.nn.softplus(a + upcast(self.dt_bias[...]))
         state = None if cache is None else cache["state"]
         with jax.named_scope("delta_rule"):
@@ -376,7 +384,9 @@ class GatedDeltaNet(nnx.Module):
                     segment_ids=segment_ids,
                 )
         with jax.named_scope("out"):
-            z = project(self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", **kw_proj)
+            z = project(
+                self, "z_proj", x, "btd,dhk->bthk", hf="in_proj_z", base=joint.base("z_proj"), **kw_proj
+            )
             o = gated_rms_norm(
                 o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps, impl=cfg.norm_impl, axes=GDN_V_AXES
             )
