@@ -473,6 +473,32 @@ def test_packed_twins_follow_new_base_weights_and_not_adapters():
     )
 
 
+def test_update_weights_of_another_dtype_or_shape_names_the_weight_not_a_twin():
+    """Weights the engine cannot take are named as given, before any twin is packed from them: a
+    float32 model for a bf16 engine names a weight's dtype (not "a different structure"), a wrong
+    attention q_proj names q_proj (not the joint twin packed from it); the engine keeps decoding
+    as before."""
+    from jaxpi.config import FULL, LINEAR
+    from jaxpi.hf_fixtures import random_jax_model
+    from jaxpi.kernels.cpu import rows
+
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    cfg = TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+    engine = JaxEngine(random_jax_model(cfg, 4, "bfloat16"), max_len=32, batch_size=2, prefill_chunks=(4, 1))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate([[3, 1, 4], [1, 5]], params)
+    f32 = random_jax_model(cfg, 5, "float32")
+    for given in (f32, nnx.state(f32, nnx.Param)):
+        with pytest.raises(ValueError, match=r"\['embed'\].* float32, expected .* bfloat16"):
+            engine.update_weights(given)
+    wide = nnx.state(random_jax_model(cfg.replace(num_attention_heads=8), 5, "bfloat16"), nnx.Param)
+    with pytest.raises(ValueError, match=r"q_proj'\]\.value is \(64, 8, "):
+        engine.update_weights(nnx.State({"tail": {1: {"mixer": {"q_proj": wide["tail"][1]["mixer"]["q_proj"]}}}}))
+    after = engine.generate([[3, 1, 4], [1, 5]], params)
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 5), vocab=st.integers(1, 300), levels=st.integers(1, 4), seed=st.integers(0, 9))
 def test_first_argmax_is_argmax_ties_included(rows, vocab, levels, seed):

@@ -113,6 +113,11 @@ def _bf16_bytes(state: nnx.State) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(state) if getattr(a, "dtype", None) == jnp.bfloat16)
 
 
+def _is_twin(path: tuple) -> bool:
+    """Whether a state path leads to a packed twin (`jaxpi.models.packed`)."""
+    return any(str(getattr(k, "key", "")).startswith(packed_twins.PREFIX) for k in path)
+
+
 def _changes_base(state: nnx.State) -> bool:
     """Whether a (partial) state may hold base weights: any `nnx.Param` or bare array (adapters
     alone, `LoRAParam`s, leave the packed twins as they are)."""
@@ -288,6 +293,7 @@ class JaxEngine:
         as `nnx.state(model, LoRAParam)`. Shapes and dtypes must match, so nothing recompiles."""
         if isinstance(model_or_state, nnx.Module):
             model = unstack_layers(model_or_state) if self.unstacked else model_or_state
+            self._check_like(nnx.state(model))  # before packing: errors name the weights given
             if self.packed_twins:
                 model = nnx.merge(*nnx.split(model))
                 packed_twins.attach(model)
@@ -297,15 +303,32 @@ class JaxEngine:
                 model_or_state = unstack_state(self._source_cfg, model_or_state)
             current = nnx.merge(self._graphdef, _detach(self._state))
             nnx.update(current, model_or_state)
+            self._check_like(nnx.state(current))
             if self.packed_twins and _changes_base(model_or_state):
                 packed_twins.attach(current)  # the base weights moved: their twins are packed anew
             _, state = nnx.split(current)
         state = _detach(state)
-        old = jax.tree_util.tree_flatten_with_path(self._state)[0]
-        new = jax.tree_util.tree_flatten_with_path(state)[0]
+        self._check_like(state, twins=True)
+        # Each array where the engine keeps its own: a trainer's may be split over a mesh (adapters
+        # sharded like their weights), which would otherwise compile the programs anew for it.
+        self._state = jax.tree.map(_placed_like, state, self._state)
+
+    def _check_like(self, state: nnx.State, *, twins: bool = False) -> None:
+        """Raises naming the first weight whose path, shape or dtype differs from the engine's;
+        the packed twins (which follow their weights) are compared only with `twins`."""
+
+        def leaves(s: nnx.State) -> list:
+            flat = jax.tree_util.tree_flatten_with_path(_detach(s))[0]
+            return [(p, x) for p, x in flat if twins or not _is_twin(p)]
+
+        old, new = leaves(self._state), leaves(state)
         if [p for p, _ in old] != [p for p, _ in new]:
+            missing = sorted(
+                {jax.tree_util.keystr(p) for p, _ in old} ^ {jax.tree_util.keystr(p) for p, _ in new}
+            )
             raise ValueError(
-                "update_weights: the new weights have a different structure (adapters added or removed?)"
+                "update_weights: the new weights have a different structure (adapters added or removed?): "
+                f"{', '.join(missing[:4]) or 'the order of the weights'} differ"
             )
         for (path, a), (_, b) in zip(old, new, strict=True):
             if (a.shape, a.dtype) != (b.shape, b.dtype):
@@ -313,9 +336,6 @@ class JaxEngine:
                 raise ValueError(
                     f"update_weights: {name} is {b.shape} {b.dtype}, expected {a.shape} {a.dtype}"
                 )
-        # Each array where the engine keeps its own: a trainer's may be split over a mesh (adapters
-        # sharded like their weights), which would otherwise compile the programs anew for it.
-        self._state = jax.tree.map(_placed_like, state, self._state)
 
     def compile_count(self) -> int:
         """Programs compiled so far (prefill chunk sizes, decode buffer sizes, reset)."""
