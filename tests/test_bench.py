@@ -194,7 +194,14 @@ def test_decode(capsys, reports):
         ):
             _check_figure(fig)
         assert j["tokens_per_s"]["max"] == pytest.approx(j["generated_tokens"] / j["call_s"]["min"])
-        # fraction of each repeat = bytes per step x that repeat's steps/s / the probe run just before it
+        # each repeat's bandwidth: the mean of the probes right before its call and right after its
+        # one-token call
+        probes = v["bandwidth_probes"]
+        assert len(probes["before"]) == len(probes["after"]) == 2 and min(probes["before"] + probes["after"]) > 0
+        assert v["bandwidth_adjacent"]["values"] == pytest.approx(
+            [(a + z) / 2 for a, z in zip(probes["before"], probes["after"], strict=True)]
+        )
+        # fraction of each repeat = bytes per step x that repeat's steps/s / the probes around it
         total = v["bytes_per_step"]["total"]
         for f, s, bw in zip(
             j["bandwidth_fraction"]["values"],

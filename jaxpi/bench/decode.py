@@ -11,7 +11,8 @@ and written), and the fraction of the limit is
 
     bytes per step × steps per second / copy bandwidth      (`jaxpi.bench.bandwidth`)
 
-with the copy bandwidth probed right before each jaxpi repeat, in the same process. Two rates of
+with the copy bandwidth probed right before and right after each jaxpi repeat (its call and its
+one-token call), in the same process, and each repeat held to the mean of its two probes. Two rates of
 steps: the whole call's (new tokens over the call's time, prefill included: `bandwidth_fraction`)
 and the decode step's (`bandwidth_fraction_per_step`): each timed call is followed by the same call
 for one new token, and a step takes (call - one-token call) / (new tokens - 1), the time per
@@ -313,16 +314,32 @@ def _one_batch(
         fns[name] = call(eng, name, params)
         if new_tokens > 1:  # the same prompts for one new token: the prefill and the first token
             fns[f"{name}/1"] = call(eng, name, SamplingParams(temperature=0.0, max_new_tokens=1))
-    adjacent: list[float] = []
+    # The copy bandwidth on both sides of each jaxpi repeat (its call and its one-token call): on a
+    # shared machine the probe moved by 1.5x within a minute, so each repeat is held to the mean
+    # of the two probes that bracket it.
+    probes: dict[str, list[float]] = {"before": [], "after": []}
+    last = "jaxpi/1" if "jaxpi/1" in fns else "jaxpi"
 
     def before(name: str, _: int) -> None:
         if name == "jaxpi":
             pauser.pause()
-            adjacent.append(probe())
+            probes["before"].append(probe())
 
-    times, first = interleaved(fns, warmup=bench.warmup, repeats=bench.repeats, before=before, progress=say)
+    def after(name: str, _: int) -> None:
+        if name == last:
+            pauser.pause()
+            probes["after"].append(probe())
+
+    times, first = interleaved(
+        fns, warmup=bench.warmup, repeats=bench.repeats, before=before, after=after, progress=say
+    )
+    adjacent = [(a + z) / 2 for a, z in zip(probes["before"], probes["after"], strict=True)]
     nbytes = step_bytes(model, batch=b, context=prompt_len + (new_tokens - 1) / 2, max_len=max_len)
-    res: dict[str, Any] = {"bytes_per_step": nbytes, "bandwidth_adjacent": figure(adjacent)}
+    res: dict[str, Any] = {
+        "bytes_per_step": nbytes,
+        "bandwidth_adjacent": figure(adjacent),
+        "bandwidth_probes": probes,
+    }
     for name in engines:
         generated = sum(len(t) for t in outputs[name])
         steps = [new_tokens / t for t in times[name]]
@@ -331,7 +348,7 @@ def _one_batch(
             "call_s": figure(times[name]),
             "tokens_per_s": figure([generated / t for t in times[name]]),
             "steps_per_s": figure(steps),
-            # against the probe run right before this pair of repeats
+            # against the probes that bracket this repeat
             "bandwidth_fraction": figure(
                 [nbytes["total"] * s / bw for s, bw in zip(steps, adjacent, strict=True)]
             ),

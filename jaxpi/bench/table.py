@@ -105,7 +105,7 @@ def format_table(report: dict[str, Any]) -> str:
                             f"{_f(e['bandwidth_fraction_per_step'], 100, '{:.1f}')} % of the limit per step"
                         )
             lines.append(
-                f"             {v['bytes_per_step']['total'] / 1e6:.1f} MB per step, bandwidth next to each "
+                f"             {v['bytes_per_step']['total'] / 1e6:.1f} MB per step, bandwidth around each "
                 f"repeat {_f(v['bandwidth_adjacent'], 1e-9)} GB/s"
             )
             if "speedup_tokens_per_s" in v:

@@ -40,12 +40,13 @@ def interleaved(
     warmup: int,
     repeats: int,
     before: Callable[[str, int], None] | None = None,
+    after: Callable[[str, int], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """`timed` for several functions whose timed calls alternate: every function is warmed up
     first, then repeat i calls each in turn (a, b, a, b, ...), so a pair of calls runs back to
-    back under about the same load of a shared machine. `before(name, i)` runs untimed right
-    before each timed call (e.g. a fresh matmul-peak probe).
+    back under about the same load of a shared machine. `before(name, i)` and `after(name, i)` run
+    untimed right before and after each timed call (e.g. a fresh matmul-peak probe).
 
     Returns ({name: seconds per repeat}, {name: seconds of its first warm-up call}).
     """
@@ -62,6 +63,8 @@ def interleaved(
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t0)
+            if after is not None:
+                after(name, i)
             if progress:
                 progress(f"repeat {i + 1}/{repeats}: {name} {times[name][-1]:.3g} s")
     return times, first
