@@ -197,7 +197,9 @@ def test_decode(capsys, reports):
         # each repeat's bandwidth: the mean of the probes right before its call and right after its
         # one-token call
         probes = v["bandwidth_probes"]
-        assert len(probes["before"]) == len(probes["after"]) == 2 and min(probes["before"] + probes["after"]) > 0
+        assert (
+            len(probes["before"]) == len(probes["after"]) == 2 and min(probes["before"] + probes["after"]) > 0
+        )
         assert v["bandwidth_adjacent"]["values"] == pytest.approx(
             [(a + z) / 2 for a, z in zip(probes["before"], probes["after"], strict=True)]
         )

@@ -489,12 +489,14 @@ def test_update_weights_of_another_dtype_or_shape_names_the_weight_not_a_twin():
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = engine.generate([[3, 1, 4], [1, 5]], params)
     f32 = random_jax_model(cfg, 5, "float32")
-    for given in (f32, nnx.state(f32, nnx.Param)):
+    for weights in (f32, nnx.state(f32, nnx.Param)):
         with pytest.raises(ValueError, match=r"\['embed'\].* float32, expected .* bfloat16"):
-            engine.update_weights(given)
+            engine.update_weights(weights)
     wide = nnx.state(random_jax_model(cfg.replace(num_attention_heads=8), 5, "bfloat16"), nnx.Param)
     with pytest.raises(ValueError, match=r"q_proj'\]\.value is \(64, 8, "):
-        engine.update_weights(nnx.State({"tail": {1: {"mixer": {"q_proj": wide["tail"][1]["mixer"]["q_proj"]}}}}))
+        engine.update_weights(
+            nnx.State({"tail": {1: {"mixer": {"q_proj": wide["tail"][1]["mixer"]["q_proj"]}}}})
+        )
     after = engine.generate([[3, 1, 4], [1, 5]], params)
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
 
