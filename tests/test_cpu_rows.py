@@ -1,7 +1,8 @@
-"""The native CPU kernels for products of rows with a bf16 weight (`jaxpi.kernels.cpu.rows`:
-`rows_bf16` for a few rows, `packed_bf16` on AVX-512 BF16 over a packed weight for more) against
-float64, their use by `dense`, the build that serves any x86-64 host, and the switch that turns
-them off."""
+"""The native CPU kernels (`jaxpi.kernels.cpu.rows`: products of rows with a bf16 weight,
+`rows_bf16` for a few rows and `packed_bf16` on AVX-512 BF16 over a packed weight for more;
+`delta_step`, one decode token of the gated delta rule) against float64, their use by `dense`
+and `gated_delta_step`, the build that serves any x86-64 host, and the switch that turns them
+off."""
 
 import shutil
 import subprocess
@@ -101,7 +102,9 @@ def test_few_rows_read_strips_side_by_side_with_the_bits_of_one_at_a_time(m, k, 
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     packed = rows.pack(w)
     few = np.asarray(rows.packed_bf16(x[:m], packed, n))
-    np.testing.assert_array_equal(few, np.asarray(rows.packed_bf16(x, packed, n))[:m], err_msg=f"m={m} k={k} n={n}")
+    np.testing.assert_array_equal(
+        few, np.asarray(rows.packed_bf16(x, packed, n))[:m], err_msg=f"m={m} k={k} n={n}"
+    )
     xd, wd = np.asarray(x[:m], np.float64), np.asarray(w, np.float64)
     assert np.all(np.abs(few - xd @ wd) <= k * 2.0**-24 * (np.abs(xd) @ np.abs(wd)))
 
@@ -174,3 +177,55 @@ def test_the_switch_turns_the_kernel_off():
     env = {"JAXPI_CPU_KERNELS": "off", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 5),
+    kd=st.integers(1, 40),
+    vd=st.integers(1, 40),
+    g_scale=st.floats(0.0, 8.0),
+    seed=st.integers(0, 3),
+)
+def test_delta_step_against_float64(b, h, kd, vd, g_scale, seed):
+    """One decode token of the gated delta rule (`rows.delta_step`) against the equations in
+    float64, for any head sizes (V not a multiple of 16: masked columns), decays from 1 to e^-8
+    and learning rates in (0, 1); each element within a float32 rounding of its terms' size."""
+    rng = np.random.default_rng(seed)
+    state, q, k, v = (rng.standard_normal(s) for s in ((b, h, kd, vd), (b, h, kd), (b, h, kd), (b, h, vd)))
+    g, beta = -g_scale * rng.random((b, h)), rng.random((b, h))
+    f32 = [jnp.asarray(x, jnp.float32) for x in (state, q, k, v, g, beta)]
+    state, q, k, v, g, beta = (np.asarray(x, np.float64) for x in f32)
+    out, new = (np.asarray(x, np.float64) for x in jax.jit(rows.delta_step)(*f32))
+    d = np.exp(g)[..., None]
+    u = beta[..., None] * (v - d * np.einsum("bhkv,bhk->bhv", state, k))
+    want_state = d[..., None] * state + k[..., :, None] * u[..., None, :]
+    want_out = np.einsum("bhkv,bhk->bhv", want_state, q)
+    # sizes of the terms each element sums, for the rounding bound
+    mag_u = beta[..., None] * (np.abs(v) + d * np.einsum("bhkv,bhk->bhv", np.abs(state), np.abs(k)))
+    mag_state = d[..., None] * np.abs(state) + np.abs(k)[..., :, None] * mag_u[..., None, :]
+    mag_out = np.einsum("bhkv,bhk->bhv", mag_state, np.abs(q))
+    eps = 4 * (kd + 4) * 2.0**-24
+    assert np.all(np.abs(new - want_state) <= eps * mag_state + 1e-30), f"b={b} h={h} kd={kd} vd={vd}"
+    assert np.all(np.abs(out - want_out) <= eps * mag_out + 1e-30), f"b={b} h={h} kd={kd} vd={vd}"
+
+
+def test_the_decode_step_of_the_gated_delta_rule_runs_natively_in_float32_only():
+    """`gated_delta_step` makes one native call on float32 (the engine's state) and keeps XLA's
+    equations on float64; both give the float64 equations' output."""
+    from jaxpi.kernels.gated_delta import gated_delta_step
+
+    rng = np.random.default_rng(0)
+    shapes = ((2, 2, 8), (2, 2, 8), (2, 4, 12), (2, 4), (2, 4), (2, 4, 8, 12))  # q, k, v, g, beta, state
+    args = [rng.standard_normal(s) for s in shapes]
+    args[3] = -np.abs(args[3])
+    hlo32 = jax.jit(gated_delta_step).lower(*(jnp.asarray(a, jnp.float32) for a in args)).as_text()
+    assert rows.DELTA_TARGET in hlo32
+    with jax.enable_x64(True):
+        a64 = [jnp.asarray(a, jnp.float64) for a in args]
+        assert rows.DELTA_TARGET not in jax.jit(gated_delta_step).lower(*a64).as_text()
+        want = [np.asarray(x) for x in gated_delta_step(*a64)]
+    got = gated_delta_step(*(jnp.asarray(a, jnp.float32) for a in args))
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=1e-4, atol=1e-5)

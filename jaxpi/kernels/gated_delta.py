@@ -20,7 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpi.axes import current_resolver
 from jaxpi.config import GDN_IMPLS
+from jaxpi.kernels.cpu import rows
 from jaxpi.kernels.dtypes import compute_dtype, upcast
 from jaxpi.kernels.gdn_chunked import (
     _chunk_scan,
@@ -77,7 +79,12 @@ def gated_delta_step(
     v32, g32, beta32 = (upcast(x) for x in (v, g, beta))
     if active is not None:
         g32, beta32 = (jnp.where(active[:, None], x, 0.0) for x in (g32, beta32))
-    out, state = _delta_step(state.astype(compute_dtype(state, v)), q, k, v32, g32, beta32)
+    state = state.astype(compute_dtype(state, v))
+    native = state.dtype == jnp.float32 and q.dtype == jnp.float32 and current_resolver() is None
+    if native and rows.delta_available():  # one native call per layer (the CPU, AVX-512)
+        out, state = rows.delta_step(state, q, k, v32, g32, beta32)
+    else:
+        out, state = _delta_step(state, q, k, v32, g32, beta32)
     return out.astype(v.dtype), state
 
 

@@ -9,6 +9,9 @@ build. The library is compiled for the baseline x86-64 (its AVX-512 functions ca
 attributes), so the build does not depend on the host and one cache serves hosts with and without
 the instructions: the library itself says whether this CPU runs its kernel.
 
+`delta_step` is one decode token of the gated delta rule (AVX-512, float32), for
+`jaxpi.kernels.gated_delta.gated_delta_step`.
+
 `available()` is False, and callers use XLA's own product, when the kernels are switched off
 (`JAXPI_CPU_KERNELS=off`), the backend is not the CPU, the CPU lacks AVX-512, or the build fails
 (then with one warning naming the reason); `dense` also skips it under a mesh, where XLA's
@@ -35,6 +38,7 @@ SOURCE = Path(__file__).with_name("rows_bf16.cc")
 TARGET = "jaxpi_rows_bf16"
 PACKED_TARGET = "jaxpi_packed_bf16"
 PACK_TARGET = "jaxpi_pack_bf16"
+DELTA_TARGET = "jaxpi_delta_step"
 MAX_PACKED_ROWS = 256  # packed_bf16's limit (kMaxPackedRows)
 STRIP = 32  # columns per packed strip
 MAX_ROWS = 8  # the kernel's limit (kMaxRows)
@@ -115,6 +119,12 @@ def available() -> bool:
 
 
 @functools.cache
+def delta_available() -> bool:
+    """Whether `delta_step` can run here (AVX-512; registered once per process)."""
+    return _register("jaxpi_rows_bf16_supported", {DELTA_TARGET: "JaxpiDeltaStep"})
+
+
+@functools.cache
 def packed_available() -> bool:
     """Whether `pack` and `packed_bf16` can run here (AVX-512 BF16; registered once per process)."""
     return _register(
@@ -165,3 +175,24 @@ def rows_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
         raise RuntimeError("rows_bf16 does not run here (it needs AVX-512 on the CPU backend)")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+def delta_step(
+    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One decode token of the gated delta rule on float32, per row and value head: state
+    `[B, H, K, V]`, q and k `[B, H, K]` (normalized, repeated to the value heads), v `[B, H, V]`,
+    g and beta `[B, H]`; returns (out `[B, H, V]`, the new state), the state updated in place where
+    XLA lets the output alias it. Raises where `delta_available()` is False."""
+    b, h, kd, vd = state.shape
+    want = {"q": (b, h, kd), "k": (b, h, kd), "v": (b, h, vd), "g": (b, h), "beta": (b, h)}
+    for name, x in zip(want, (q, k, v, g, beta), strict=True):
+        if x.shape != want[name] or x.dtype != jnp.float32:
+            raise ValueError(f"delta_step: {name} is {x.dtype} {x.shape}, expected float32 {want[name]}")
+    if state.dtype != jnp.float32:
+        raise ValueError(f"delta_step: the state is {state.dtype}, expected float32")
+    if not delta_available():
+        raise RuntimeError("delta_step does not run here (it needs AVX-512 on the CPU backend)")
+    out = (jax.ShapeDtypeStruct((b, h, vd), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    call = jax.ffi.ffi_call(DELTA_TARGET, out, vmap_method="sequential", input_output_aliases={0: 1})
+    return tuple(call(state, q, k, v, g, beta))
