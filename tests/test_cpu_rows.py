@@ -229,3 +229,31 @@ def test_the_decode_step_of_the_gated_delta_rule_runs_natively_in_float32_only()
     got = gated_delta_step(*(jnp.asarray(a, jnp.float32) for a in args))
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    v=st.integers(1, 300),
+    d=st.integers(1, 70),
+    n=st.integers(0, 40),
+    dtype=st.sampled_from(["bfloat16", "float16"]),
+    kind=st.sampled_from(["int32", "uint32", "int64"]),
+    seed=st.integers(0, 3),
+)
+def test_take_rows16_gives_the_bits_of_jnp_take(v, d, n, dtype, kind, seed):
+    """The embedding lookup (`rows.take_rows16`) against `jnp.take` of the table's bits, for any
+    table and ids in and far out of range: from the end for [-V, 0), a row of 0xFFFF past it."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**16, (v, d), dtype=np.uint16)
+    lo = 0 if kind == "uint32" else -3 * v
+    ids = rng.integers(lo, 3 * v + 1, (2, n)).astype(kind)
+    if kind != "int32":
+        ids[0, :1] = np.iinfo(kind).max  # as far out as the dtype goes
+    with jax.enable_x64(kind == "int64"):
+        table = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.dtype(dtype))
+        got = jax.jit(rows.take_rows16)(table, jnp.asarray(ids))
+        want = jnp.take(jnp.asarray(bits), jnp.asarray(ids), axis=0)
+        assert got.dtype == table.dtype and got.shape == (2, n, d)
+        np.testing.assert_array_equal(
+            np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)), np.asarray(want), err_msg=f"ids {ids}"
+        )

@@ -356,6 +356,9 @@ def test_a_bf16_engine_reads_packed_twins_of_its_weights(monkeypatch):
         hlo = engine.decode_hlo(long)
         assert rows.PACKED_TARGET in hlo and rows.PACK_TARGET not in hlo and rows.TARGET not in hlo
     assert not any(isinstance(v, PackedWeight) for _, v in nnx.to_flat_state(nnx.state(m)))
+    # the embedding rows are copied alone: no copy of the whole table per call
+    vocab, hidden = m.cfg.vocab_size, m.cfg.hidden_size
+    assert rows.TAKE_TARGET in hlo and f"u16[{vocab},{hidden}]" not in hlo
     one_call = engine.generate(prompts, long)
     sessions = engine.start(prompts)  # the same turn streamed 4 tokens per call
     try:

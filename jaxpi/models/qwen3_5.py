@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpi.axes import current_resolver
 from jaxpi.config import QwenConfig
 from jaxpi.kernels.attention import rope_tables
+from jaxpi.kernels.cpu import rows
 from jaxpi.kernels.dense import dense, packed_product
 from jaxpi.kernels.norms import rms_norm
 from jaxpi.models import packed as packed_twins
@@ -291,9 +293,13 @@ class Qwen3_5ForCausalLM(nnx.Module):
 def embed_rows(table: jax.Array, ids: jax.Array, *, inference: bool = False) -> jax.Array:
     """`table[ids]`. In inference a 16-bit table is gathered as uint16 bits: XLA:CPU gathers bf16
     rows from a float32 copy of the whole table, and in the decode loop that copy (twice the
-    table's bytes) was hoisted out and written again by every call."""
+    table's bytes) was hoisted out and written again by every call. On the CPU without a mesh the
+    native kernel copies the rows alone (`rows.take_rows16`): the bitcast of the bits was still a
+    copy of the whole table per call."""
     if not inference or table.dtype.itemsize != 2:
         return jnp.take(table, ids, axis=0)
+    if current_resolver() is None and rows.take_available():
+        return rows.take_rows16(table, ids)
     bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
     return jax.lax.bitcast_convert_type(bits, table.dtype)
 

@@ -10,7 +10,8 @@ attributes), so the build does not depend on the host and one cache serves hosts
 the instructions: the library itself says whether this CPU runs its kernel.
 
 `delta_step` is one decode token of the gated delta rule (AVX-512, float32), for
-`jaxpi.kernels.gated_delta.gated_delta_step`.
+`jaxpi.kernels.gated_delta.gated_delta_step`; `take_rows16` the embedding lookup of a 2-byte table
+(plain C++), for `jaxpi.models.qwen3_5.embed_rows`.
 
 `available()` is False, and callers use XLA's own product, when the kernels are switched off
 (`JAXPI_CPU_KERNELS=off`), the backend is not the CPU, the CPU lacks AVX-512, or the build fails
@@ -39,6 +40,7 @@ TARGET = "jaxpi_rows_bf16"
 PACKED_TARGET = "jaxpi_packed_bf16"
 PACK_TARGET = "jaxpi_pack_bf16"
 DELTA_TARGET = "jaxpi_delta_step"
+TAKE_TARGET = "jaxpi_take_rows16"
 MAX_PACKED_ROWS = 256  # packed_bf16's limit (kMaxPackedRows)
 STRIP = 32  # columns per packed strip
 MAX_ROWS = 8  # the kernel's limit (kMaxRows)
@@ -125,6 +127,12 @@ def delta_available() -> bool:
 
 
 @functools.cache
+def take_available() -> bool:
+    """Whether `take_rows16` can run here (any x86-64; registered once per process)."""
+    return _register("jaxpi_take_rows16_supported", {TAKE_TARGET: "JaxpiTakeRows16"})
+
+
+@functools.cache
 def packed_available() -> bool:
     """Whether `pack` and `packed_bf16` can run here (AVX-512 BF16; registered once per process)."""
     return _register(
@@ -196,3 +204,24 @@ def delta_step(
     out = (jax.ShapeDtypeStruct((b, h, vd), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
     call = jax.ffi.ffi_call(DELTA_TARGET, out, vmap_method="sequential", input_output_aliases={0: 1})
     return tuple(call(state, q, k, v, g, beta))
+
+
+def take_rows16(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`jnp.take(table, ids, axis=0)` for a `[V, D]` table of a 2-byte dtype, the rows' bits copied
+    by the native kernel (an index in [-V, 0) counts from the end; one outside [-V, V) gives a row
+    of NaN bits, 0xFFFF). Raises where `take_available()` is False."""
+    if table.ndim != 2 or jnp.dtype(table.dtype).itemsize != 2:
+        raise ValueError(
+            f"take_rows16 takes a [V, D] table of a 2-byte dtype, got {table.dtype} {table.shape}"
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"take_rows16 takes integer ids, got {ids.dtype}")
+    if not take_available():
+        raise RuntimeError("take_rows16 does not run here (the native CPU kernels are off or did not build)")
+    v = table.shape[0]
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):  # in range, or V (no row)
+        ids = jnp.where(ids < v, ids, v).astype(jnp.int32)
+    elif jnp.dtype(ids.dtype).itemsize > 4:  # int64: in range, counted from the end, or V
+        ids = jnp.where((ids >= -v) & (ids < v), ids, v).astype(jnp.int32)
+    out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
+    return jax.ffi.ffi_call(TAKE_TARGET, out, vmap_method="sequential")(table, ids.astype(jnp.int32))

@@ -504,6 +504,34 @@ ffi::Error DeltaStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buf
   return ffi::Error::Success();
 }
 
+// --- take_rows16: rows of a 2-byte table by index (the embedding lookup of a decode step) -------
+//
+// out[i, :] = table[ids[i], :], the bits copied. XLA:CPU gathers bf16 rows from a float32 copy of
+// the whole table, and a gather of its uint16 bits (`jaxpi.models.qwen3_5.embed_rows`) still
+// wrote a bitcast copy of the table once per call (a 64 MiB table: ~13 ms per call on the 2-core
+// machine). As jnp.take: an index in [-V, 0) counts from the end, and one outside [-V, V) gives a
+// row of 0xFFFF (a NaN).
+ffi::Error TakeRows16(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  const auto td = table.dimensions();
+  if (td.size() != 2 || ffi::ByteWidth(table.element_type()) != 2 || out->element_type() != table.element_type())
+    return ffi::Error::InvalidArgument("take_rows16: a [V, D] table of 2-byte elements expected");
+  const int64_t v = td[0], d = td[1], n = ids.element_count();
+  if (out->element_count() != n * d) return ffi::Error::InvalidArgument("take_rows16: out is not [ids, D]");
+  const auto* src = static_cast<const uint16_t*>(table.untyped_data());
+  auto* dst = static_cast<uint16_t*>(out->untyped_data());
+  const int32_t* idx = ids.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t r = idx[i];
+    if (r < 0) r += v;
+    if (0 <= r && r < v) {
+      std::memcpy(dst + i * d, src + r * d, sizeof(uint16_t) * d);
+    } else {
+      std::fill(dst + i * d, dst + (i + 1) * d, static_cast<uint16_t>(0xFFFF));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiRowsBf16, RowsBf16,
@@ -550,3 +578,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiDeltaStep, DeltaStep,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpiTakeRows16, TakeRows16,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// take_rows16 is plain C++: any x86-64 runs it.
+extern "C" int jaxpi_take_rows16_supported() { return 1; }
