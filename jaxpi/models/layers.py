@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpi.axes import current_resolver
 from jaxpi.config import FULL, QwenConfig, parse_attn_kernel, parse_gdn_kernel
 from jaxpi.kernels.attention import apply_partial_rope, attention, causal_attention
 from jaxpi.kernels.conv import causal_conv1d
@@ -333,20 +334,37 @@ class GatedDeltaNet(nnx.Module):
         with jax.named_scope("conv"):
             # The depthwise conv is per channel, so q, k and v are convolved apart: each stays split
             # by its own heads under tensor parallelism (a concatenation would be resharded). The
-            # decode cache keeps HF's channel order [q | k | v] of in_proj_qkv.
+            # decode cache keeps HF's channel order [q | k | v] of in_proj_qkv. On a cache without a
+            # mesh (the engine) the three are one conv over the concatenated channels: a third of
+            # the small ops of a decode step's conv, each channel's sum the same.
             parts = [("q_proj", "conv_q", nk, dk), ("k_proj", "conv_k", nk, dk), ("v_proj", "conv_v", nv, dv)]
             bounds = np.cumsum([0, kd, kd, vd])
-            outs, states = [], []
-            for j, (proj, conv, heads, dim) in enumerate(parts):
-                y = project(
-                    self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", base=joint.base(proj), **kw_proj
-                ).reshape(b, t, heads * dim)
-                w = getattr(self, conv)[...].reshape(kw, heads * dim)  # [K, channels]
-                st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
-                y, st = causal_conv1d(y, w, segment_ids=segment_ids, state=st)
-                outs.append(y.reshape(b, t, heads, dim))
-                states.append(st)
-            new_conv = jnp.concatenate(states, axis=-1)
+            ys = [
+                project(self, proj, x, "btd,dhk->bthk", hf="in_proj_qkv", base=joint.base(proj), **kw_proj)
+                for proj, *_ in parts
+            ]
+            ws = [
+                getattr(self, conv)[...].reshape(kw, heads * dim) for _, conv, heads, dim in parts
+            ]  # [K, C]
+            if cache is not None and current_resolver() is None:
+                y, new_conv = causal_conv1d(
+                    jnp.concatenate([y.reshape(b, t, -1) for y in ys], axis=-1),
+                    jnp.concatenate(ws, axis=-1),
+                    segment_ids=segment_ids,
+                    state=cache["conv"],
+                )
+                outs = [
+                    y[..., bounds[j] : bounds[j + 1]].reshape(b, t, heads, dim)
+                    for j, (_, _, heads, dim) in enumerate(parts)
+                ]
+            else:
+                outs, states = [], []
+                for j, (y, w, (_, _, heads, dim)) in enumerate(zip(ys, ws, parts, strict=True)):
+                    st = None if cache is None else cache["conv"][..., bounds[j] : bounds[j + 1]]
+                    y, st = causal_conv1d(y.reshape(b, t, heads * dim), w, segment_ids=segment_ids, state=st)
+                    outs.append(y.reshape(b, t, heads, dim))
+                    states.append(st)
+                new_conv = jnp.concatenate(states, axis=-1)
             q = constrain(outs[0], ("batch", "seq", "gdn_k_heads", "head_dim"))
             k = constrain(outs[1], ("batch", "seq", "gdn_k_heads", "head_dim"))
             v = constrain(outs[2], GDN_V_AXES)
