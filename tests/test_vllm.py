@@ -252,8 +252,8 @@ def test_bench_decode_against_vllm(server, model_dir, capsys):
 
 
 def test_bench_decode_pauses_the_vllm_server_during_jaxpi_turns(server, model_dir):
-    """Every process of vLLM's server is stopped (state T) while jaxpi's turn is measured and
-    runs again for its own: both engines generate every repeat, and the server answers after."""
+    """Every process of vLLM's server is stopped (state T) while jaxpi's turn is measured and probed
+    (before and after each repeat) and runs again for its own: both engines generate every repeat, and the server answers after."""
     from jaxpi.bench.config import BenchConfig
     from jaxpi.bench.decode import Pauser, _one_batch
     from jaxpi.bench.decode import group_states as _states
@@ -272,7 +272,7 @@ def test_bench_decode_pauses_the_vllm_server_during_jaxpi_turns(server, model_di
     finally:
         pauser.resume()
         veng.shutdown()
-    assert len(seen) == 2 and all(s == {"T"} for s in seen), seen
+    assert len(seen) == 2 * 2 and all(s == {"T"} for s in seen), seen  # before and after each repeat
     assert res["jaxpi"]["generated_tokens"] == res["vllm"]["generated_tokens"] == 8
     assert "T" not in _states(server.pid) and server.healthy()
 
