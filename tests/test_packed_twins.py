@@ -6,7 +6,8 @@ bf16, and runs the inference forward on a decode cache twice: with twins attache
 projection and the LM head on the packed kernel) and without. Both are held to the float64
 logits; the twins may not be worse than twice the plain path's error (a twin packed on the wrong
 axes, or the tied head untransposed, is off by the whole logit scale), and the plain path stays
-under an absolute bar (a fault common to both inference paths)."""
+under an absolute bar (a fault common to both inference paths). LoRA adapters on top of the twins
+are held to the same weights in float32, on Qwen3 and Qwen3.5."""
 
 from __future__ import annotations
 
@@ -79,3 +80,45 @@ def test_packed_twins_match_float64_on_drawn_checkpoints(case: ParityCase, tmp_p
 @given(case=parity_cases(max_len=40))
 def test_packed_twins_match_float64_on_many_drawn_checkpoints(case: ParityCase, tmp_path_factory):
     check(case, tmp_path_factory)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_twins_carry_lora_adapters_on_both_families(family, tmp_path):
+    """The joint and single twins under LoRA adapters (each projection's update added to its
+    columns of the joint product), on Qwen3 (attention without an output gate, plain norms) and
+    Qwen3.5: the bf16 inference forward with twins against the same weights and adapters in
+    float32 without a cache, no worse than twice the plain bf16 path; the adapters move the logits
+    by far more than that bar, so an adapter lost on the twins' path fails."""
+    from jaxpi.config import QWEN3_TINY, TINY
+    from jaxpi.hf_fixtures import make_checkpoint
+    from jaxpi.lora import LoraConfig, LoRAParam, add_lora
+
+    if not rows.packed_available():
+        pytest.skip("no AVX-512 BF16: the packed kernel does not run here")
+    cfg = QWEN3_TINY if family == "qwen3" else TINY
+    _, model = load_hf(
+        make_checkpoint(tmp_path, cfg.replace(tie_word_embeddings=False), seed=3), jnp.bfloat16
+    )
+    no_lora = nnx.merge(*nnx.split(model))
+    add_lora(model, LoraConfig(rank=4, alpha=8.0))
+    lora = nnx.state(model, LoRAParam)
+    for i, (_, var) in enumerate(nnx.to_flat_state(lora)):
+        var.set_value(0.5 * jax.random.normal(jax.random.key(i), var.get_value().shape))
+    nnx.update(model, lora)
+    graphdef, state = nnx.split(model)
+    ref_model = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), state))
+    plain = unstack_layers(model)
+    twins = nnx.merge(*nnx.split(plain))
+    packed.attach(twins)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9))
+
+    def on_cache(m: nnx.Module) -> np.ndarray:
+        gd, st = nnx.split(m)
+        f = jax.jit(lambda st, ids: nnx.merge(gd, st)(ids, cache=nnx.merge(gd, st).init_cache(2, 10))[0])
+        return np.asarray(f(st, jnp.asarray(ids)), np.float64)
+
+    ref = np.asarray(ref_model(jnp.asarray(ids)), np.float64)
+    err_twins, err_plain = _rel(on_cache(twins), ref), _rel(on_cache(plain), ref)
+    without = _rel(np.asarray(no_lora(jnp.asarray(ids)), np.float64), ref)
+    assert err_twins <= 2 * err_plain + 2e-3 and err_twins < 0.1, (err_twins, err_plain)
+    assert without > 10 * max(err_twins, 2e-3), (without, err_twins)
